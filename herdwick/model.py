@@ -1,0 +1,207 @@
+"""Wire and domain structs shared by every tier.
+
+Request structs forbid unknown fields so a typo is a 422, not a silently
+ignored option. Value limits live in the aliases at the top, in one place.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+# --- value limits -----------------------------------------------------------
+
+MAX_PAYLOAD_BYTES = 256 * 1024
+MAX_BATCH_JOBS = 1000
+MAX_DELAY_S = 10 * 365 * 24 * 3600
+MAX_JITTER_S = 24 * 3600
+MAX_TIMEOUT_S = 7 * 24 * 3600
+MAX_BACKOFF_S = 24 * 3600
+MAX_ATTEMPTS = 100
+MAX_IDEMPOTENCY_KEY_LEN = 255
+LIST_LIMIT_DEFAULT = 50
+LIST_LIMIT_MAX = 500
+
+JobName = Annotated[str, Meta(min_length=1, max_length=200)]
+TargetRef = Annotated[str, Meta(min_length=1, max_length=2048)]
+DelaySeconds = Annotated[float, Meta(ge=0, le=MAX_DELAY_S)]
+JitterSeconds = Annotated[int, Meta(ge=0, le=MAX_JITTER_S)]
+Attempts = Annotated[int, Meta(ge=1, le=MAX_ATTEMPTS)]
+BackoffSeconds = Annotated[float, Meta(ge=0, le=MAX_BACKOFF_S)]
+TimeoutSeconds = Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_S)]
+CronText = Annotated[str, Meta(min_length=1, max_length=200)]
+ZoneName = Annotated[str, Meta(min_length=1, max_length=64)]
+AwareTime = Annotated[datetime, Meta(tz=True)]
+Weight = Annotated[int, Meta(ge=1, le=1000)]
+DispatchRate = Annotated[float, Meta(gt=0, le=1_000_000)]
+MaxActiveJobs = Annotated[int, Meta(ge=1, le=100_000_000)]
+TenantName = Annotated[str, Meta(min_length=1, max_length=200)]
+
+TargetType = Literal["http", "queue"]
+Overlap = Literal["allow", "forbid", "replace"]
+Misfire = Literal["skip", "catch_up"]
+JobState = Literal["active", "paused", "canceled", "completed"]
+ExecutionState = Literal[
+    "queued", "running", "retry_wait", "succeeded", "dead", "canceled", "skipped"
+]
+
+JOB_STATES: tuple[str, ...] = ("active", "paused", "canceled", "completed")
+
+# --- schedules ----------------------------------------------------------------
+
+
+class Schedule(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True,
+               rename="camel"):
+    """When a job runs: exactly one of run_at, delay_seconds or cron.
+
+    jitter_seconds applies to every kind; tz, overlap and misfire only to cron
+    (the gateway's validation says so by field name).
+    """
+
+    run_at: AwareTime | None = None
+    delay_seconds: DelaySeconds | None = None
+    cron: CronText | None = None
+    tz: ZoneName | None = None
+    jitter_seconds: JitterSeconds = 0
+    overlap: Overlap = "allow"
+    misfire: Misfire = "skip"
+
+    @property
+    def kind(self) -> Literal["once", "cron"]:
+        return "cron" if self.cron is not None else "once"
+
+
+class Target(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    type: TargetType
+    ref: TargetRef
+
+
+class RetryPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True,
+                  rename="camel"):
+    max_attempts: Attempts = 5
+    backoff_seconds: BackoffSeconds = 10
+
+
+DEFAULT_RETRY = RetryPolicy()
+DEFAULT_TIMEOUT_S = 300
+
+
+class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="camel"):
+    """The body of POST /v1/jobs (and each item of a batch)."""
+
+    name: JobName
+    target: Target
+    schedule: Schedule
+    payload: msgspec.Raw = msgspec.Raw(b"null")
+    retry: RetryPolicy = DEFAULT_RETRY
+    timeout_seconds: TimeoutSeconds = DEFAULT_TIMEOUT_S
+
+
+class JobBatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The body of POST /v1/jobs:batch."""
+
+    jobs: list[JobSpec]
+
+
+class JobCreated(msgspec.Struct, kw_only=True, rename="camel"):
+    job_id: uuid.UUID
+    next_run_at: datetime | None
+    state: JobState
+    warnings: list[str] = []
+
+
+class BatchItem(msgspec.Struct, kw_only=True, rename="camel"):
+    job_id: uuid.UUID
+    next_run_at: datetime | None
+    state: JobState
+
+
+class BatchCreated(msgspec.Struct, kw_only=True):
+    items: list[BatchItem]
+    warnings: list[str] = []
+
+
+class Job(msgspec.Struct, kw_only=True, rename="camel"):
+    """A job as read back: every field of the submission with defaults filled in."""
+
+    job_id: uuid.UUID
+    name: str
+    target: Target
+    payload: msgspec.Raw
+    schedule: Schedule
+    retry: RetryPolicy
+    timeout_seconds: int
+    state: JobState
+    next_run_at: datetime | None
+    created_at: datetime
+    updated_at: datetime
+    version: int
+
+
+class JobPage(msgspec.Struct, kw_only=True, rename="camel"):
+    items: list[Job]
+    next_cursor: str | None
+
+
+# --- tenants --------------------------------------------------------------------
+
+
+class TenantSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="camel"):
+    """The body of POST /v1/tenants."""
+
+    name: TenantName
+    weight: Weight = 1
+    dispatch_rate: DispatchRate | None = None
+    max_active_jobs: MaxActiveJobs | None = None
+
+
+class TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="camel"):
+    """The body of PATCH /v1/tenants/{tenantId}; an absent field is left as it is.
+
+    dispatchRate and maxActiveJobs may be set to null to lift the limit.
+    """
+
+    weight: Weight | msgspec.UnsetType = msgspec.UNSET
+    dispatch_rate: DispatchRate | None | msgspec.UnsetType = msgspec.UNSET
+    max_active_jobs: MaxActiveJobs | None | msgspec.UnsetType = msgspec.UNSET
+
+
+class TenantCreated(msgspec.Struct, kw_only=True, rename="camel"):
+    tenant_id: uuid.UUID
+    api_key: str
+    signing_secret: str
+
+
+class Tenant(msgspec.Struct, kw_only=True, rename="camel"):
+    tenant_id: uuid.UUID
+    name: str
+    weight: int
+    dispatch_rate: float | None
+    max_active_jobs: int | None
+    created_at: datetime
+
+
+class SigningSecret(msgspec.Struct, kw_only=True, rename="camel"):
+    signing_secret: str
+
+
+# --- errors ---------------------------------------------------------------------
+
+
+class FieldError(msgspec.Struct, kw_only=True, frozen=True):
+    field: str
+    message: str
+
+
+class Problem(msgspec.Struct, kw_only=True):
+    """An RFC 9457 problem document, as every error response carries."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    errors: list[FieldError] = []
