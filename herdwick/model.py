@@ -56,9 +56,9 @@ JOB_STATES: tuple[str, ...] = ("active", "paused", "canceled", "completed")
 
 class Schedule(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True,
                rename="camel"):
-    """When a job runs: exactly one of run_at, delay_seconds or cron.
+    """When a job runs: exactly one of runAt, delaySeconds or cron.
 
-    jitter_seconds applies to every kind; tz, overlap and misfire only to cron
+    jitterSeconds applies to every kind; tz, overlap and misfire only to cron
     (the gateway's validation says so by field name).
     """
 
@@ -73,6 +73,27 @@ class Schedule(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_de
     @property
     def kind(self) -> Literal["once", "cron"]:
         return "cron" if self.cron is not None else "once"
+
+
+class ScheduleOut(msgspec.Struct, kw_only=True, rename="camel"):
+    """A schedule as read back: the fields of its kind, every default filled in."""
+
+    run_at: datetime | msgspec.UnsetType = msgspec.UNSET
+    delay_seconds: float | msgspec.UnsetType = msgspec.UNSET
+    cron: str | msgspec.UnsetType = msgspec.UNSET
+    tz: str | msgspec.UnsetType = msgspec.UNSET
+    jitter_seconds: int = 0
+    overlap: Overlap | msgspec.UnsetType = msgspec.UNSET
+    misfire: Misfire | msgspec.UnsetType = msgspec.UNSET
+
+    @classmethod
+    def of(cls, s: Schedule) -> ScheduleOut:
+        if s.cron is not None:
+            return cls(cron=s.cron, tz=s.tz or "UTC", jitter_seconds=s.jitter_seconds,
+                       overlap=s.overlap, misfire=s.misfire)
+        if s.run_at is not None:
+            return cls(run_at=s.run_at, jitter_seconds=s.jitter_seconds)
+        return cls(delay_seconds=s.delay_seconds, jitter_seconds=s.jitter_seconds)
 
 
 class Target(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -96,7 +117,7 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="
     name: JobName
     target: Target
     schedule: Schedule
-    payload: msgspec.Raw = msgspec.Raw(b"null")
+    payload: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"null"))
     retry: RetryPolicy = DEFAULT_RETRY
     timeout_seconds: TimeoutSeconds = DEFAULT_TIMEOUT_S
 
@@ -132,7 +153,7 @@ class Job(msgspec.Struct, kw_only=True, rename="camel"):
     name: str
     target: Target
     payload: msgspec.Raw
-    schedule: Schedule
+    schedule: ScheduleOut
     retry: RetryPolicy
     timeout_seconds: int
     state: JobState
@@ -166,8 +187,8 @@ class TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rena
     """
 
     weight: Weight | msgspec.UnsetType = msgspec.UNSET
-    dispatch_rate: DispatchRate | None | msgspec.UnsetType = msgspec.UNSET
-    max_active_jobs: MaxActiveJobs | None | msgspec.UnsetType = msgspec.UNSET
+    dispatch_rate: DispatchRate | msgspec.UnsetType | None = msgspec.UNSET
+    max_active_jobs: MaxActiveJobs | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class TenantCreated(msgspec.Struct, kw_only=True, rename="camel"):

@@ -1,0 +1,67 @@
+"""The gateway's app factory and server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from gateway.context import CTX, Ctx
+from gateway.jobs import BATCH_BODY_CAP
+from gateway.openapi import DOCUMENT, document, openapi
+from gateway.problems import problem_middleware
+from gateway.routes import register
+from herdwick.clock import Clock, SystemClock
+from herdwick.config import Settings
+from storage import migrate
+from storage.db import Database
+
+log = logging.getLogger("herdwick.gateway")
+
+DB_POOL_MAX = 20
+
+
+def create_app(settings: Settings, *, clock: Clock | None = None, db: Database | None = None,
+               redis: aioredis.Redis | None = None) -> web.Application:
+    """The tenants' HTTP API. Pass db/redis to share ones the caller owns (tests, dev)."""
+    app = web.Application(middlewares=[problem_middleware], client_max_size=BATCH_BODY_CAP)
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        database = db or await Database.connect(settings.database_url, max_size=DB_POOL_MAX)
+        client = redis
+        if client is None and settings.redis_url:
+            client = aioredis.from_url(settings.redis_url)
+        try:
+            async with database.connection() as conn:
+                await migrate.check(conn)
+            app[CTX] = Ctx(settings=settings, clock=clock or SystemClock(), db=database,
+                           redis=client, http_allow=settings.http_allow_networks)
+            yield
+        finally:
+            if db is None:
+                await database.close()
+            if redis is None and client is not None:
+                await client.aclose()
+
+    app.cleanup_ctx.append(resources)
+    register(app)
+    app[DOCUMENT] = document()
+    app.router.add_get("/openapi.json", openapi)
+    return app
+
+
+async def serve(app: web.Application, host: str, port: int,
+                stop: asyncio.Event | None = None) -> None:
+    """Run the app until `stop` is set (or forever), then shut down cleanly."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_port=True)
+    await site.start()
+    log.info("event=api_listening host=%s port=%d", host, port)
+    try:
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,273 @@
+"""Tenant job handlers: submit (single and batch), read, list, pause, resume, cancel."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from gateway.auth import tenant_of
+from gateway.body import read_json_body
+from gateway.context import Ctx
+from gateway.problems import bad_field, from_validation_error, invalid
+from gateway.submit import HERD_WARN_JOBS, herd_second, herd_warning, prepare
+from herdwick import schedule as sched
+from herdwick.errors import Conflict, IdempotencyKeyReused, InvalidInput
+from herdwick.ids import shard_of
+from herdwick.model import (
+    JOB_STATES,
+    LIST_LIMIT_DEFAULT,
+    LIST_LIMIT_MAX,
+    MAX_BATCH_JOBS,
+    MAX_IDEMPOTENCY_KEY_LEN,
+    MAX_PAYLOAD_BYTES,
+    BatchCreated,
+    BatchItem,
+    FieldError,
+    Job,
+    JobCreated,
+    JobPage,
+    JobSpec,
+    Schedule,
+)
+from storage import jobs as store
+from storage.jobs import NewIdempotency, NewJob, Transition
+
+SINGLE_BODY_CAP = MAX_PAYLOAD_BYTES + 64 * 1024
+BATCH_BODY_CAP = 16 * 1024 * 1024
+
+_spec_decoder = msgspec.json.Decoder(JobSpec)
+_batch_decoder = msgspec.json.Decoder(dict[str, list[msgspec.Raw]])
+_encoder = msgspec.json.Encoder()
+
+
+def _json(status: int, value: object, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=_encoder.encode(value),
+                        content_type="application/json", headers=headers)
+
+
+def _idempotency_key(request: web.Request) -> str | None:
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        return None
+    if not key or len(key) > MAX_IDEMPOTENCY_KEY_LEN or not key.isprintable():
+        raise bad_field("Idempotency-Key",
+                        f"1 to {MAX_IDEMPOTENCY_KEY_LEN} printable characters")
+    return key
+
+
+def _decode_spec(raw: bytes, prefix: str = "") -> tuple[JobSpec | None, list[FieldError]]:
+    try:
+        return _spec_decoder.decode(raw), []
+    except msgspec.ValidationError as exc:
+        return None, [from_validation_error(exc, prefix)]
+
+
+def _malformed(exc: msgspec.DecodeError):
+    return bad_field("body", f"malformed JSON: {exc}", status=400)
+
+
+def _decode_batch(raw: bytes) -> list[JobSpec]:
+    try:
+        top = _batch_decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise invalid([from_validation_error(exc)]) from None
+    except msgspec.DecodeError as exc:
+        raise _malformed(exc) from None
+    extra = sorted(set(top) - {"jobs"})
+    if extra:
+        raise bad_field(extra[0], "unknown field")
+    if "jobs" not in top:
+        raise bad_field("jobs", "required")
+    items = top["jobs"]
+    if not 1 <= len(items) <= MAX_BATCH_JOBS:
+        raise bad_field("jobs", f"a batch holds 1 to {MAX_BATCH_JOBS} jobs, not {len(items)}")
+    specs, errors = [], []
+    for i, item in enumerate(items):
+        spec, errs = _decode_spec(bytes(item), f"jobs[{i}]")
+        specs.append(spec)
+        errors += errs
+    if errors:
+        raise invalid(errors)
+    return specs
+
+
+def _prepare_all(ctx: Ctx, specs: list[JobSpec], batch: bool) -> list[NewJob]:
+    now = ctx.clock.now()
+    prepared = [prepare(s, now=now, allow=ctx.http_allow, prefix=f"jobs[{i}]." if batch else "")
+                for i, s in enumerate(specs)]
+    errors = [e for p in prepared for e in p.errors]
+    if errors:
+        too_big = all(e.field.endswith("payload") and "limit" in e.message for e in errors)
+        raise InvalidInput(errors, 413 if too_big else 422)
+    return [p.job for p in prepared]
+
+
+async def submit(request: web.Request) -> web.Response:
+    ctx = Ctx.of(request)
+    owner = await tenant_of(request, ctx.db, ctx.keys)
+    key = _idempotency_key(request)
+    body = await read_json_body(request, SINGLE_BODY_CAP)
+    try:
+        spec, errors = _decode_spec(body)
+    except msgspec.DecodeError as exc:
+        raise _malformed(exc) from None
+    if errors:
+        raise invalid(errors)
+    [job] = _prepare_all(ctx, [spec], batch=False)
+
+    def created(warnings: list[str]) -> JobCreated:
+        return JobCreated(job_id=job.job_id, next_run_at=job.next_run_at, state="active",
+                          warnings=warnings)
+
+    return await _insert(request, ctx, owner, key, body, [job], created)
+
+
+async def submit_batch(request: web.Request) -> web.Response:
+    ctx = Ctx.of(request)
+    owner = await tenant_of(request, ctx.db, ctx.keys)
+    key = _idempotency_key(request)
+    body = await read_json_body(request, BATCH_BODY_CAP)
+    jobs = _prepare_all(ctx, _decode_batch(body), batch=True)
+    items = [BatchItem(job_id=j.job_id, next_run_at=j.next_run_at, state="active") for j in jobs]
+
+    def created(warnings: list[str]) -> BatchCreated:
+        return BatchCreated(items=items, warnings=warnings)
+
+    return await _insert(request, ctx, owner, key, body, jobs, created)
+
+
+async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: bytes,
+                  jobs: list[NewJob], created) -> web.Response:
+    second, in_request = herd_second(jobs)
+    plain = created(herd_warning(second, in_request))
+    warned = created(herd_warning(second, HERD_WARN_JOBS))
+    request_hash = hashlib.sha256(request.path.encode() + b"\n" + body).digest()
+    idem = None
+    if key is not None:
+        idem = NewIdempotency(key=key, request_hash=request_hash, response=_encoder.encode(plain),
+                              response_warned=_encoder.encode(warned))
+    for _ in range(2):
+        outcome = await store.insert_jobs(
+            ctx.db, owner.tenant_id, jobs, now=ctx.clock.now(), idempotency=idem,
+            max_active_jobs=owner.max_active_jobs, herd_second=second, herd_in_request=in_request,
+            herd_limit=HERD_WARN_JOBS)
+        if outcome.inserted:
+            response = warned if outcome.same_second + in_request >= HERD_WARN_JOBS else plain
+            await ctx.after_submit(jobs)
+            return _json(201, response)
+        record = await store.get_idempotency(ctx.db, owner.tenant_id, key)
+        if record is None:
+            continue  # expired and swept between the two statements: insert again
+        if record.request_hash != request_hash:
+            raise IdempotencyKeyReused(
+                "this Idempotency-Key was used for a different request in the last 24 hours")
+        return web.Response(status=record.status, body=record.response,
+                            content_type="application/json",
+                            headers={"Idempotent-Replayed": "true"})
+    raise Conflict("the Idempotency-Key is being used concurrently; retry")
+
+
+def _job_id(request: web.Request) -> uuid.UUID:
+    try:
+        return uuid.UUID(request.match_info["jobId"])
+    except ValueError:
+        raise bad_field("jobId", "not a job id", status=404) from None
+
+
+async def get_job(request: web.Request) -> web.Response:
+    ctx = Ctx.of(request)
+    owner = await tenant_of(request, ctx.db, ctx.keys)
+    return _json(200, await store.get_job(ctx.db, owner.tenant_id, _job_id(request)))
+
+
+def _limit(request: web.Request) -> int:
+    text = request.query.get("limit")
+    if text is None:
+        return LIST_LIMIT_DEFAULT
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= LIST_LIMIT_MAX:
+        raise bad_field("limit", f"an integer from 1 to {LIST_LIMIT_MAX}")
+    return limit
+
+
+def _cursor(request: web.Request) -> uuid.UUID | None:
+    text = request.query.get("cursor")
+    if not text:
+        return None
+    try:
+        return store.decode_cursor(text)
+    except ValueError:
+        raise bad_field("cursor", "not a cursor returned by this API") from None
+
+
+async def list_jobs(request: web.Request) -> web.Response:
+    ctx = Ctx.of(request)
+    owner = await tenant_of(request, ctx.db, ctx.keys)
+    state = request.query.get("state") or None
+    if state is not None and state not in JOB_STATES:
+        raise bad_field("state", f"one of {', '.join(JOB_STATES)}")
+    items, cursor = await store.list_jobs(ctx.db, owner.tenant_id, state=state,
+                                          after=_cursor(request), limit=_limit(request))
+    return _json(200, JobPage(items=items, next_cursor=cursor))
+
+
+def _pause(job: Job, schedule: Schedule) -> Transition | None:
+    if job.state == "paused":
+        return None
+    if job.state != "active":
+        raise Conflict(f"a {job.state} job cannot be paused")
+    return Transition(state="paused", next_run_at=job.next_run_at, clear_due="occurrences")
+
+
+def _resumer(now):
+    def decide(job: Job, schedule: Schedule) -> Transition | None:
+        if job.state == "active":
+            return None
+        if job.state != "paused":
+            raise Conflict(f"a {job.state} job cannot be resumed")
+        when = resume_time(schedule, job, now)
+        return Transition(state="active", next_run_at=when,
+                          add_due=(shard_of(job.job_id), when))
+    return decide
+
+
+def resume_time(schedule: Schedule, job: Job, now):
+    """Where a resumed job picks up: its pending time, or per misfire policy if that passed."""
+    pending = job.next_run_at
+    if pending is None or pending > now or schedule.cron is None:
+        return pending if pending is not None else now
+    to_run, _skipped = sched.misfire_plan(schedule, pending, now, job_id=job.job_id)
+    return to_run[0] if to_run else pending
+
+
+def _cancel(job: Job, schedule: Schedule) -> Transition | None:
+    if job.state in ("canceled", "completed"):
+        return None
+    return Transition(state="canceled", next_run_at=None, clear_due="all")
+
+
+async def _transition(request: web.Request, decide) -> Job:
+    ctx = Ctx.of(request)
+    owner = await tenant_of(request, ctx.db, ctx.keys)
+    return await store.transition_job(ctx.db, owner.tenant_id, _job_id(request),
+                                      ctx.clock.now(), decide)
+
+
+async def pause_job(request: web.Request) -> web.Response:
+    return _json(200, await _transition(request, _pause))
+
+
+async def resume_job(request: web.Request) -> web.Response:
+    ctx = Ctx.of(request)
+    return _json(200, await _transition(request, _resumer(ctx.clock.now())))
+
+
+async def cancel_job(request: web.Request) -> web.Response:
+    await _transition(request, _cancel)
+    return web.Response(status=204)

@@ -1,0 +1,168 @@
+"""From a decoded submission to a row ready to insert: every check msgspec cannot make.
+
+Each check names the field it rejects, with the batch index as a prefix
+(`jobs[17].schedule.cron`), so one response lists every problem at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import re
+import urllib.parse
+from datetime import datetime
+
+import msgspec
+
+from herdwick import schedule as sched
+from herdwick.ids import shard_of, uuid7
+from herdwick.model import MAX_PAYLOAD_BYTES, FieldError, JobSpec, Schedule
+from storage.jobs import NewJob
+
+QUEUE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+HTTP_POOL = "http"
+HERD_WARN_JOBS = 1000  # this many of a tenant's jobs in one second earns a warning
+HERD_SUGGESTED_JITTER_S = 60
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_LOCAL_NAMES = ("localhost", "localhost.localdomain")
+
+_encode_schedule = msgspec.json.Encoder().encode
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class Prepared(msgspec.Struct, frozen=True):
+    job: NewJob | None
+    errors: list[FieldError]
+
+
+def _err(prefix: str, field: str, message: str) -> FieldError:
+    return FieldError(field=f"{prefix}{field}", message=message)
+
+
+def check_target(spec: JobSpec, prefix: str, allow: tuple[Network, ...]) -> list[FieldError]:
+    ref = spec.target.ref
+    if spec.target.type == "queue":
+        if not QUEUE_NAME.match(ref):
+            return [_err(prefix, "target.ref", "a queue name is [a-z0-9][a-z0-9_.-]{0,62}")]
+        if ref == HTTP_POOL:
+            return [_err(prefix, "target.ref", "the pool 'http' is reserved for http targets")]
+        return []
+    return [_err(prefix, "target.ref", m) for m in _http_ref_problems(ref, allow)]
+
+
+def _http_ref_problems(ref: str, allow: tuple[Network, ...]) -> list[str]:
+    if _CONTROL.search(ref) or " " in ref:
+        return ["an http target must not contain spaces or control characters"]
+    try:
+        url = urllib.parse.urlsplit(ref)
+        url.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as exc:
+        return [f"not a valid URL: {exc}"]
+    if url.scheme not in ("http", "https"):
+        return ["an http target must be an http:// or https:// URL"]
+    if not url.hostname:
+        return ["an http target needs a host"]
+    host = url.hostname.rstrip(".").lower()
+    if host in _LOCAL_NAMES or host.endswith(".localhost"):
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = (
+            ipaddress.ip_address("127.0.0.1"))
+    else:
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            address = None  # a name: resolved and checked again at delivery
+    if address is not None and not address_allowed(address, allow):
+        return [f"{address} is a private, loopback or link-local address; "
+                "HERDWICK_HTTP_ALLOW must list it to be a target"]
+    return []
+
+
+def address_allowed(address: ipaddress.IPv4Address | ipaddress.IPv6Address,
+                    allow: tuple[Network, ...]) -> bool:
+    """Public addresses, and any inside an allowed network."""
+    if getattr(address, "ipv4_mapped", None):
+        address = address.ipv4_mapped
+    if any(address in net for net in allow):
+        return True
+    return address.is_global and not address.is_multicast
+
+
+def check_payload(raw: msgspec.Raw, prefix: str) -> list[FieldError]:
+    if len(raw) > MAX_PAYLOAD_BYTES:
+        return [_err(prefix, "payload", f"the payload is {len(raw)} bytes; "
+                                        f"the limit is {MAX_PAYLOAD_BYTES}")]
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        return [_err(prefix, "payload", f"not storable JSON: {exc}")]
+    if b"\\u0000" in bytes(raw) and _has_nul(value):
+        return [_err(prefix, "payload", "strings must not contain \\u0000")]
+    return []
+
+
+def _has_nul(value: object) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def normalised(schedule: Schedule) -> Schedule:
+    """The schedule as stored: a cron schedule's zone filled in."""
+    if schedule.cron is not None and schedule.tz is None:
+        return msgspec.structs.replace(schedule, tz="UTC")
+    return schedule
+
+
+def prepare(spec: JobSpec, *, now: datetime, allow: tuple[Network, ...],
+            prefix: str = "") -> Prepared:
+    """Validate one job and compute its first due time."""
+    errors: list[FieldError] = []
+    if _CONTROL.search(spec.name):
+        errors.append(_err(prefix, "name", "must not contain control characters"))
+    errors += check_target(spec, prefix, allow)
+    errors += check_payload(spec.payload, prefix)
+    job_id = uuid7(now)
+    try:
+        first = sched.first_run_at(spec.schedule, now, job_id=job_id)
+    except sched.ScheduleError as exc:
+        errors.append(_err(prefix, exc.field, str(exc)))
+        first = None
+    else:
+        if first is None:
+            errors.append(_err(prefix, "schedule.cron", "the expression never fires"))
+    if errors or first is None:
+        return Prepared(None, errors)
+    pool = spec.target.ref if spec.target.type == "queue" else HTTP_POOL
+    job = NewJob(
+        job_id=job_id, name=spec.name, target_type=spec.target.type, target_ref=spec.target.ref,
+        pool=pool, payload=bytes(spec.payload).decode(),
+        schedule=_encode_schedule(normalised(spec.schedule)).decode(),
+        max_attempts=spec.retry.max_attempts, backoff_s=float(spec.retry.backoff_seconds),
+        timeout_s=spec.timeout_seconds, next_run_at=first, shard_id=shard_of(job_id))
+    return Prepared(job, [])
+
+
+def herd_second(jobs: list[NewJob]) -> tuple[datetime, int]:
+    """The second in which most of these jobs fall due, and how many do."""
+    counts = collections.Counter(j.next_run_at.replace(microsecond=0) for j in jobs)
+    second, count = counts.most_common(1)[0]
+    return second, count
+
+
+def herd_warning(second: datetime, total: int) -> list[str]:
+    if total < HERD_WARN_JOBS:
+        return []
+    return [f"at least {HERD_WARN_JOBS} of this tenant's jobs are due in the second "
+            f"{sched.format_utc(second)}; spread them with schedule.jitterSeconds "
+            f"(e.g. {HERD_SUGGESTED_JITTER_S})"]
+

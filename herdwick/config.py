@@ -1,0 +1,100 @@
+"""Configuration (CONTRACT.md): environment variables, each also a CLI flag."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+DEFAULT_KEY_PREFIX = "hw"
+DEFAULT_API_HOST = "127.0.0.1"
+DEFAULT_API_PORT = 8080
+_KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+Port = Annotated[int, Meta(ge=0, le=65535)]
+
+
+class ConfigError(ValueError):
+    """A setting is missing or malformed; the message names the variable."""
+
+
+class Settings(msgspec.Struct, kw_only=True, frozen=True):
+    """Every setting of every process. Build with `from_env`; validates itself."""
+
+    database_url: str | None = None
+    redis_url: str | None = None
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    admin_token: str | None = None
+    http_allow: tuple[str, ...] = ()
+    api_host: str = DEFAULT_API_HOST
+    api_port: Port = DEFAULT_API_PORT
+
+    def __post_init__(self) -> None:
+        if not _KEY_PREFIX.match(self.key_prefix):
+            raise ConfigError(
+                "HERDWICK_KEY_PREFIX must be 1-64 characters of letters, digits and _ . : - "
+                "(no braces: they are the Redis Cluster hash tag)")
+        for cidr in self.http_allow:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ConfigError(f"HERDWICK_HTTP_ALLOW: {cidr!r} is not a CIDR") from None
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ConfigError("HERDWICK_ADMIN_TOKEN must be at least 16 characters")
+
+    def require_services(self) -> None:
+        """Production processes refuse to start without both URLs."""
+        if not self.database_url:
+            raise ConfigError("HERDWICK_DATABASE_URL is not set (a Postgres DSN)")
+        if not self.redis_url:
+            raise ConfigError("HERDWICK_REDIS_URL is not set (a Redis URL)")
+
+    @property
+    def http_allow_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        return tuple(ipaddress.ip_network(c, strict=False) for c in self.http_allow)
+
+
+# setting name -> environment variable
+ENV = {
+    "database_url": "HERDWICK_DATABASE_URL",
+    "redis_url": "HERDWICK_REDIS_URL",
+    "key_prefix": "HERDWICK_KEY_PREFIX",
+    "admin_token": "HERDWICK_ADMIN_TOKEN",
+    "http_allow": "HERDWICK_HTTP_ALLOW",
+    "api_host": "HERDWICK_API_HOST",
+    "api_port": "HERDWICK_API_PORT",
+}
+
+
+def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+    """Settings from the environment, then from overrides (CLI flags) that are not None."""
+    env = os.environ if env is None else env
+    raw: dict[str, object] = {}
+    for field, var in ENV.items():
+        value = env.get(var)
+        if value is None or value == "":
+            continue
+        raw[field] = _parse(field, var, value)
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return msgspec.convert(raw, Settings)
+    except msgspec.ValidationError as exc:
+        match = re.search(r"at `\$\.(\w+)`", str(exc))
+        where = ENV.get(match.group(1), match.group(1)) if match else "configuration"
+        raise ConfigError(f"{where}: {str(exc).split(' - at ')[0]}") from None
+
+
+def _parse(field: str, var: str, value: str) -> object:
+    if field == "http_allow":
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    if field == "api_port":
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{var} must be a port number, got {value!r}") from None
+    return value

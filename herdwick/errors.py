@@ -1,0 +1,51 @@
+"""Domain errors. The gateway's one error middleware maps each to problem+json."""
+
+from __future__ import annotations
+
+from herdwick.model import FieldError
+
+
+class HerdwickError(Exception):
+    """Base of every error herdwick raises on purpose."""
+
+
+class StorageUnavailable(HerdwickError):
+    """Postgres or Redis could not be reached or dropped the connection.
+
+    The operation's outcome is unknown to the caller only when the connection
+    dropped during a commit; every write path is safe to retry (idempotency
+    keys, ON CONFLICT guards).
+    """
+
+
+class NotFound(HerdwickError):
+    """The thing does not exist, or belongs to another tenant (never 403)."""
+
+
+class Conflict(HerdwickError):
+    """The object's state forbids the transition (resume a canceled job)."""
+
+
+class QuotaExceeded(HerdwickError):
+    """The tenant is over a limit; retry_after_s says when to try again."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class IdempotencyKeyReused(HerdwickError):
+    """Same Idempotency-Key, different request body."""
+
+
+class InvalidInput(HerdwickError):
+    """A request that decoded but is not acceptable; names every bad field."""
+
+    def __init__(self, errors: list[FieldError], status: int = 422) -> None:
+        super().__init__("; ".join(f"{e.field}: {e.message}" for e in errors))
+        self.errors = errors
+        self.status = status
+
+
+class SchemaOutOfDate(HerdwickError):
+    """The database schema is behind this herdwick; run `herdwick migrate`."""

@@ -1,0 +1,80 @@
+"""The Postgres pool and the boundary where driver errors become domain errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import asyncpg
+
+from herdwick.errors import StorageUnavailable
+
+log = logging.getLogger("herdwick.storage")
+
+COMMAND_TIMEOUT_S = 10.0
+ACQUIRE_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 5.0
+
+# What "the database is not there" looks like from asyncpg: connection-class
+# SQLSTATEs (08xxx), operator intervention (57xxx: shutdown, cannot connect
+# now), a closed connection, the socket failing, or a timeout.
+_UNAVAILABLE = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.InsufficientResourcesError,
+    asyncpg.InterfaceError,
+)
+
+
+@contextlib.contextmanager
+def translated() -> object:
+    """Turn driver-level unavailability into StorageUnavailable."""
+    try:
+        yield
+    except _UNAVAILABLE as exc:
+        raise StorageUnavailable(f"postgres unavailable: {type(exc).__name__}: {exc}") from exc
+
+
+class Database:
+    """Owns the asyncpg pool. Every query goes through `connection()`."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    @classmethod
+    async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10) -> Database:
+        with translated():
+            pool = await asyncpg.create_pool(
+                dsn,
+                min_size=min_size,
+                max_size=max_size,
+                command_timeout=COMMAND_TIMEOUT_S,
+                timeout=CONNECT_TIMEOUT_S,
+                server_settings={"timezone": "UTC", "application_name": "herdwick"},
+            )
+        return cls(pool)
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[asyncpg.Connection]:
+        with translated():
+            async with self.pool.acquire(timeout=ACQUIRE_TIMEOUT_S) as conn:
+                yield conn
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
+        async with self.connection() as conn, conn.transaction():
+            yield conn
+
+    async def ping(self) -> None:
+        async with self.connection() as conn:
+            await conn.fetchval("SELECT 1")
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.pool.close(), timeout=5)
+        except (TimeoutError, *_UNAVAILABLE):
+            self.pool.terminate()

@@ -1,0 +1,225 @@
+"""Jobs: the write path (batched insert with due_index and idempotency) and reads."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import uuid
+from datetime import datetime, timedelta
+
+import asyncpg
+import msgspec
+
+from herdwick.errors import NotFound, QuotaExceeded
+from herdwick.model import Job, RetryPolicy, Schedule, ScheduleOut, Target
+from storage.db import Database
+from storage.sql import q
+
+IDEMPOTENCY_TTL = timedelta(hours=24)
+QUOTA_RETRY_AFTER_S = 60
+_CURSOR_PREFIX = "j1."
+
+_schedule_decoder = msgspec.json.Decoder(Schedule)
+
+
+class NewJob(msgspec.Struct, frozen=True, kw_only=True):
+    """One job ready to insert: validated, with its first due time computed."""
+
+    job_id: uuid.UUID
+    name: str
+    target_type: str
+    target_ref: str
+    pool: str
+    payload: str  # JSON text
+    schedule: str  # JSON text of the normalised Schedule
+    max_attempts: int
+    backoff_s: float
+    timeout_s: int
+    next_run_at: datetime
+    shard_id: int
+
+
+class NewIdempotency(msgspec.Struct, frozen=True, kw_only=True):
+    key: str
+    request_hash: bytes
+    response: bytes  # the 201 body to replay
+    response_warned: bytes  # the same with the herd warning, stored if the herd count says so
+
+
+class IdempotencyRecord(msgspec.Struct, frozen=True, kw_only=True):
+    request_hash: bytes
+    status: int
+    response: bytes
+    expires_at: datetime
+
+
+class InsertOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    inserted: bool  # false: the idempotency key was already held, nothing written
+    same_second: int  # the tenant's jobs already due in the checked second (bounded)
+
+
+async def insert_jobs(
+    db: Database,
+    tenant_id: uuid.UUID,
+    jobs: list[NewJob],
+    *,
+    now: datetime,
+    idempotency: NewIdempotency | None = None,
+    max_active_jobs: int | None = None,
+    herd_second: datetime | None = None,
+    herd_in_request: int = 0,
+    herd_limit: int = 1000,
+) -> InsertOutcome:
+    """Insert jobs, their due_index rows and the idempotency record atomically.
+
+    A tenant with max_active_jobs takes a per-tenant advisory lock and counts
+    first; unlimited tenants (the common case) pay one statement, no lock.
+    """
+    args = _insert_args(tenant_id, jobs, now, idempotency, herd_second, herd_in_request,
+                        herd_limit)
+    if max_active_jobs is None:
+        async with db.connection() as conn:
+            row = await conn.fetchrow(q("insert_jobs"), *args)
+    else:
+        async with db.transaction() as conn:
+            await conn.execute(q("tenant_quota_lock"), tenant_id)
+            live = await conn.fetchval(q("count_live_jobs"), tenant_id)
+            if live + len(jobs) > max_active_jobs:
+                raise QuotaExceeded(
+                    f"the tenant has {live} active or paused jobs; max_active_jobs is "
+                    f"{max_active_jobs}", QUOTA_RETRY_AFTER_S)
+            row = await conn.fetchrow(q("insert_jobs"), *args)
+    return InsertOutcome(inserted=row["inserted"], same_second=row["same_second"])
+
+
+def _insert_args(tenant_id: uuid.UUID, jobs: list[NewJob], now: datetime,
+                 idem: NewIdempotency | None, herd_second: datetime | None,
+                 herd_in_request: int, herd_limit: int) -> tuple[object, ...]:
+    return (
+        tenant_id,
+        idem.key if idem else None,
+        idem.request_hash if idem else None,
+        idem.response if idem else None,
+        now,
+        now + IDEMPOTENCY_TTL,
+        [j.job_id for j in jobs],
+        [j.name for j in jobs],
+        [j.target_type for j in jobs],
+        [j.target_ref for j in jobs],
+        [j.pool for j in jobs],
+        [j.payload for j in jobs],
+        [j.schedule for j in jobs],
+        [j.max_attempts for j in jobs],
+        [j.backoff_s for j in jobs],
+        [j.timeout_s for j in jobs],
+        [j.next_run_at for j in jobs],
+        [j.shard_id for j in jobs],
+        [due_minute(j.next_run_at) for j in jobs],
+        herd_second,
+        herd_limit,
+        herd_in_request,
+        idem.response_warned if idem else None,
+    )
+
+
+def due_minute(when: datetime) -> datetime:
+    return when.replace(second=0, microsecond=0)
+
+
+async def get_idempotency(db: Database, tenant_id: uuid.UUID, key: str) -> IdempotencyRecord | None:
+    async with db.connection() as conn:
+        row = await conn.fetchrow(q("get_idempotency"), tenant_id, key)
+    if row is None:
+        return None
+    return IdempotencyRecord(request_hash=bytes(row["request_hash"]), status=row["status"],
+                             response=bytes(row["response"]), expires_at=row["expires_at"])
+
+
+def job_from_row(row: asyncpg.Record) -> Job:
+    return Job(
+        job_id=row["job_id"],
+        name=row["name"],
+        target=Target(type=row["target_type"], ref=row["target_ref"]),
+        payload=msgspec.Raw(row["payload"].encode()),
+        schedule=ScheduleOut.of(_schedule_decoder.decode(row["schedule"])),
+        retry=RetryPolicy(max_attempts=row["max_attempts"], backoff_seconds=row["backoff_s"]),
+        timeout_seconds=row["timeout_s"],
+        state=row["state"],
+        next_run_at=row["next_run_at"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        version=row["version"],
+    )
+
+
+async def get_job(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
+    async with db.connection() as conn:
+        row = await conn.fetchrow(q("get_job"), tenant_id, job_id)
+    if row is None:
+        raise NotFound(f"job {job_id} does not exist")
+    return job_from_row(row)
+
+
+def encode_cursor(job_id: uuid.UUID) -> str:
+    return _CURSOR_PREFIX + base64.urlsafe_b64encode(job_id.bytes).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> uuid.UUID:
+    """Raises ValueError for anything that is not a cursor we issued."""
+    if not cursor.startswith(_CURSOR_PREFIX) or len(cursor) != len(_CURSOR_PREFIX) + 22:
+        raise ValueError("not a cursor of this API")
+    body = cursor[len(_CURSOR_PREFIX):]
+    try:
+        raw = base64.urlsafe_b64decode(body + "==")
+    except (binascii.Error, ValueError):
+        raise ValueError("not a cursor of this API") from None
+    if len(raw) != 16 or encode_cursor(uuid.UUID(bytes=raw)) != cursor:
+        raise ValueError("not a cursor of this API")
+    return uuid.UUID(bytes=raw)
+
+
+async def list_jobs(db: Database, tenant_id: uuid.UUID, *, state: str | None,
+                    after: uuid.UUID | None, limit: int) -> tuple[list[Job], str | None]:
+    """One page, newest first, and the cursor of the next page (None at the end)."""
+    async with db.connection() as conn:
+        rows = await conn.fetch(q("list_jobs"), tenant_id, state, after, limit + 1)
+    jobs = [job_from_row(r) for r in rows[:limit]]
+    more = len(rows) > limit
+    return jobs, encode_cursor(jobs[-1].job_id) if more else None
+
+
+class Transition(msgspec.Struct, frozen=True, kw_only=True):
+    """What a state change does, decided by the caller from the locked job."""
+
+    state: str
+    next_run_at: datetime | None
+    clear_due: str | None = None  # "occurrences" | "all" | None
+    add_due: tuple[int, datetime] | None = None  # (shard_id, next_run_at)
+
+
+async def transition_job(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, now: datetime,
+                         decide) -> Job:
+    """Lock the job, let `decide(job, schedule) -> Transition | None` choose, apply it atomically.
+
+    decide returns None for a no-op (e.g. pausing a paused job) and raises
+    Conflict for a transition the state forbids.
+    """
+    async with db.transaction() as conn:
+        row = await conn.fetchrow(q("lock_job"), tenant_id, job_id)
+        if row is None:
+            raise NotFound(f"job {job_id} does not exist")
+        job = job_from_row(row)
+        change = decide(job, _schedule_decoder.decode(row["schedule"]))
+        if change is None:
+            return job
+        if change.clear_due == "occurrences":
+            await conn.execute(q("delete_due_occurrences"), job_id)
+        elif change.clear_due == "all":
+            await conn.execute(q("delete_due_all"), job_id)
+        if change.add_due is not None:
+            shard_id, when = change.add_due
+            await conn.execute(q("insert_due"), shard_id, due_minute(when), when, job_id)
+        updated = await conn.fetchrow(q("set_job_state"), tenant_id, job_id, change.state,
+                                      change.next_run_at, now)
+        return job_from_row(updated)
+

@@ -1,0 +1,104 @@
+-- name: insert_jobs
+-- Inserts a batch of jobs, their due_index rows and, when a key is given, the
+-- idempotency record, as one statement (so one implicit transaction, one
+-- round trip). inserted is false, and nothing is written, when the key is
+-- already held by an unexpired record. same_second counts (up to $21) the
+-- tenant's active jobs already due in the second starting at $20; the stored
+-- response is $23 (the one carrying the herd warning) when those plus the
+-- request's own $22 jobs in that second reach $21, else $4.
+WITH herd AS (
+    SELECT count(*) AS n FROM (
+        SELECT 1 FROM jobs
+        WHERE tenant_id = $1 AND state = 'active'
+          AND next_run_at >= $20 AND next_run_at < $20 + interval '1 second'
+        LIMIT $21) s
+), idem AS (
+    INSERT INTO idempotency_keys AS k
+        (tenant_id, key, request_hash, status, response, created_at, expires_at)
+    SELECT $1, $2, $3, 201,
+           CASE WHEN (SELECT n FROM herd) + $22 >= $21 THEN $23::bytea ELSE $4::bytea END, $5, $6
+    WHERE $2::text IS NOT NULL
+    ON CONFLICT (tenant_id, key) DO UPDATE SET
+        request_hash = EXCLUDED.request_hash, status = EXCLUDED.status,
+        response = EXCLUDED.response, created_at = EXCLUDED.created_at,
+        expires_at = EXCLUDED.expires_at
+    WHERE k.expires_at <= EXCLUDED.created_at
+    RETURNING 1
+), go AS (
+    SELECT ($2::text IS NULL OR EXISTS (SELECT 1 FROM idem)) AS ok
+), new_jobs AS (
+    INSERT INTO jobs (job_id, tenant_id, name, target_type, target_ref, pool, payload, schedule,
+                      max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at)
+    SELECT j.job_id, $1, j.name, j.target_type, j.target_ref, j.pool, j.payload::jsonb,
+           j.schedule::jsonb, j.max_attempts, j.backoff_s, j.timeout_s, 'active', j.next_run_at, $5, $5
+    FROM unnest($7::uuid[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
+                $13::text[], $14::integer[], $15::float8[], $16::integer[], $17::timestamptz[])
+         AS j(job_id, name, target_type, target_ref, pool, payload, schedule,
+              max_attempts, backoff_s, timeout_s, next_run_at)
+    WHERE (SELECT ok FROM go)
+    RETURNING 1
+), new_due AS (
+    INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)
+    SELECT d.shard_id, d.due_minute, d.next_run_at, d.job_id
+    FROM unnest($18::smallint[], $19::timestamptz[], $17::timestamptz[], $7::uuid[])
+         AS d(shard_id, due_minute, next_run_at, job_id)
+    WHERE (SELECT ok FROM go)
+    RETURNING 1
+)
+SELECT (SELECT ok FROM go) AS inserted,
+       (SELECT count(*) FROM new_jobs) AS jobs_written,
+       (SELECT count(*) FROM new_due) AS due_written,
+       (SELECT n FROM herd) AS same_second;
+
+-- name: get_idempotency
+SELECT request_hash, status, response, expires_at
+FROM idempotency_keys WHERE tenant_id = $1 AND key = $2;
+
+-- name: delete_expired_idempotency
+-- Retention: drops records past their expiry, at most $2 per call.
+DELETE FROM idempotency_keys
+WHERE ctid IN (SELECT ctid FROM idempotency_keys WHERE expires_at < $1 LIMIT $2);
+
+-- name: get_job
+SELECT job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,
+       max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at, version
+FROM jobs WHERE tenant_id = $1 AND job_id = $2;
+
+-- name: lock_job
+-- The job row, locked for a state transition.
+SELECT job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,
+       max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at, version
+FROM jobs WHERE tenant_id = $1 AND job_id = $2
+FOR UPDATE;
+
+-- name: list_jobs
+-- Newest first, keyset-paginated on job_id (UUIDv7, so creation order).
+-- $2: state filter or NULL; $3: cursor (exclusive) or NULL.
+SELECT job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,
+       max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at, version
+FROM jobs
+WHERE tenant_id = $1
+  AND ($2::text IS NULL OR state = $2)
+  AND ($3::uuid IS NULL OR job_id < $3)
+ORDER BY job_id DESC
+LIMIT $4;
+
+-- name: set_job_state
+-- A transition decided by the caller, who holds the row lock (lock_job).
+UPDATE jobs SET state = $3, next_run_at = $4, version = version + 1, updated_at = $5
+WHERE tenant_id = $1 AND job_id = $2
+RETURNING job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,
+          max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at, version;
+
+-- name: delete_due_occurrences
+-- Takes a job's pending occurrences out of the due index (pause).
+DELETE FROM due_index WHERE job_id = $1 AND execution_id IS NULL;
+
+-- name: delete_due_all
+-- Takes every due row of a job, retries included, out of the due index (cancel).
+DELETE FROM due_index WHERE job_id = $1;
+
+-- name: insert_due
+INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)
+VALUES ($1, $2, $3, $4)
+ON CONFLICT DO NOTHING;

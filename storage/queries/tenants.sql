@@ -1,0 +1,47 @@
+-- name: create_tenant
+-- Inserts a tenant and its first API key (hash only) in one statement.
+WITH t AS (
+    INSERT INTO tenants (tenant_id, name, weight, dispatch_rate, max_active_jobs, signing_secret, created_at)
+    VALUES ($1, $2, $3, $4, $5, $6, $8)
+    RETURNING tenant_id
+)
+INSERT INTO api_keys (key_hash, tenant_id, created_at)
+SELECT $7, tenant_id, $8 FROM t;
+
+-- name: tenant_by_key
+-- Resolves an API key's hash to its tenant; revoked keys resolve to nothing.
+SELECT k.key_hash, t.tenant_id, t.max_active_jobs
+FROM api_keys k JOIN tenants t USING (tenant_id)
+WHERE k.key_hash = $1 AND k.revoked_at IS NULL;
+
+-- name: get_tenant
+SELECT tenant_id, name, weight, dispatch_rate, max_active_jobs, created_at
+FROM tenants WHERE tenant_id = $1;
+
+-- name: patch_tenant
+-- Sets the fields whose "set" flag is true; returns the tenant as it now is.
+UPDATE tenants SET
+    weight          = CASE WHEN $2 THEN $3 ELSE weight END,
+    dispatch_rate   = CASE WHEN $4 THEN $5 ELSE dispatch_rate END,
+    max_active_jobs = CASE WHEN $6 THEN $7 ELSE max_active_jobs END
+WHERE tenant_id = $1
+RETURNING tenant_id, name, weight, dispatch_rate, max_active_jobs, created_at;
+
+-- name: rotate_signing_secret
+UPDATE tenants SET signing_secret = $2 WHERE tenant_id = $1 RETURNING tenant_id;
+
+-- name: tenant_quota_lock
+-- Serialises the submits of one quota-limited tenant for this transaction, so
+-- the active-job count below cannot be raced past the limit.
+SELECT pg_advisory_xact_lock(hashtextextended($1::text, 0));
+
+-- name: count_live_jobs
+-- Jobs that still count against max_active_jobs: active or paused.
+SELECT count(*) FROM jobs WHERE tenant_id = $1 AND state IN ('active', 'paused');
+
+-- name: tenant_by_name
+-- The oldest tenant of that name (names are labels, not unique).
+SELECT tenant_id FROM tenants WHERE name = $1 ORDER BY created_at, tenant_id LIMIT 1;
+
+-- name: insert_api_key
+INSERT INTO api_keys (key_hash, tenant_id, created_at) VALUES ($1, $2, $3);

@@ -1,0 +1,95 @@
+"""Tenants and their API keys."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+import asyncpg
+import msgspec
+
+from herdwick.credentials import hash_api_key, new_api_key, new_signing_secret, same_secret
+from herdwick.errors import NotFound
+from herdwick.ids import uuid7
+from herdwick.model import Tenant, TenantCreated, TenantPatch, TenantSpec
+from storage.db import Database
+from storage.sql import q
+
+
+class KeyOwner(msgspec.Struct, frozen=True):
+    """What authentication needs to know about the tenant behind a key."""
+
+    tenant_id: uuid.UUID
+    max_active_jobs: int | None
+
+
+async def create_tenant(db: Database, spec: TenantSpec, now: datetime) -> TenantCreated:
+    tenant_id = uuid7(now)
+    api_key = new_api_key()
+    secret = new_signing_secret()
+    async with db.connection() as conn:
+        await conn.execute(
+            q("create_tenant"), tenant_id, spec.name, spec.weight, spec.dispatch_rate,
+            spec.max_active_jobs, secret, hash_api_key(api_key), now)
+    return TenantCreated(tenant_id=tenant_id, api_key=api_key, signing_secret=secret)
+
+
+async def owner_of_key(db: Database, api_key: str) -> KeyOwner | None:
+    digest = hash_api_key(api_key)
+    async with db.connection() as conn:
+        row = await conn.fetchrow(q("tenant_by_key"), digest)
+    if row is None or not same_secret(row["key_hash"], digest):
+        return None
+    return KeyOwner(tenant_id=row["tenant_id"], max_active_jobs=row["max_active_jobs"])
+
+
+def _tenant(row: asyncpg.Record) -> Tenant:
+    return Tenant(tenant_id=row["tenant_id"], name=row["name"], weight=row["weight"],
+                  dispatch_rate=row["dispatch_rate"], max_active_jobs=row["max_active_jobs"],
+                  created_at=row["created_at"])
+
+
+async def get_tenant(db: Database, tenant_id: uuid.UUID) -> Tenant:
+    async with db.connection() as conn:
+        row = await conn.fetchrow(q("get_tenant"), tenant_id)
+    if row is None:
+        raise NotFound(f"tenant {tenant_id} does not exist")
+    return _tenant(row)
+
+
+async def patch_tenant(db: Database, tenant_id: uuid.UUID, patch: TenantPatch) -> Tenant:
+    def field(value: object) -> tuple[bool, object]:
+        return (False, None) if value is msgspec.UNSET else (True, value)
+
+    args = (*field(patch.weight), *field(patch.dispatch_rate), *field(patch.max_active_jobs))
+    async with db.connection() as conn:
+        row = await conn.fetchrow(q("patch_tenant"), tenant_id, *args)
+    if row is None:
+        raise NotFound(f"tenant {tenant_id} does not exist")
+    return _tenant(row)
+
+
+async def rotate_signing_secret(db: Database, tenant_id: uuid.UUID) -> str:
+    secret = new_signing_secret()
+    async with db.connection() as conn:
+        found = await conn.fetchval(q("rotate_signing_secret"), tenant_id, secret)
+    if found is None:
+        raise NotFound(f"tenant {tenant_id} does not exist")
+    return secret
+
+
+async def issue_key_for(db: Database, name: str, now: datetime) -> tuple[uuid.UUID, str]:
+    """A new API key for the tenant called `name`, creating the tenant if there is none.
+
+    Keys are stored hashed, so an old key cannot be shown again: `herdwick dev`
+    issues a fresh one each start.
+    """
+    async with db.connection() as conn:
+        tenant_id = await conn.fetchval(q("tenant_by_name"), name)
+    if tenant_id is None:
+        created = await create_tenant(db, TenantSpec(name=name), now)
+        return created.tenant_id, created.api_key
+    api_key = new_api_key()
+    async with db.connection() as conn:
+        await conn.execute(q("insert_api_key"), hash_api_key(api_key), tenant_id, now)
+    return tenant_id, api_key

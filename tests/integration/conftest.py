@@ -1,0 +1,50 @@
+"""Gateway fixtures: a client on a real socket and a tenant with an API key."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from tests.integration.gateway_client import ADMIN_TOKEN, start_client
+
+
+@dataclass
+class Api:
+    client: TestClient
+    key: str
+    tenant_id: str
+
+    def auth(self, key: str | None = None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key or self.key}"}
+
+    async def create_tenant(self, name: str = "acme", **extra) -> dict:
+        resp = await self.client.post("/v1/tenants", json={"name": name, **extra},
+                                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        assert resp.status == 201, await resp.text()
+        return await resp.json()
+
+    async def submit(self, body: dict, key: str | None = None, **headers):
+        return await self.client.post("/v1/jobs", json=body, headers={**self.auth(key), **headers})
+
+
+def make_job(**overrides) -> dict:
+    """A valid submission; override any top-level field."""
+    body = {"name": "nightly-report", "target": {"type": "queue", "ref": "emails"},
+            "payload": {"to": "a@example.com"}, "schedule": {"delaySeconds": 30}}
+    body.update(overrides)
+    return body
+
+
+@pytest.fixture
+async def api(db_url, services, key_prefix, clock) -> AsyncIterator[Api]:
+    client = await start_client(db_url, services.redis_url, key_prefix, clock)
+    try:
+        holder = Api(client=client, key="", tenant_id="")
+        tenant = await holder.create_tenant()
+        holder.key, holder.tenant_id = tenant["apiKey"], tenant["tenantId"]
+        yield holder
+    finally:
+        await client.close()

@@ -1,0 +1,19 @@
+"""A test client for the gateway on a real socket, over the test's own database."""
+
+from __future__ import annotations
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.app import create_app
+from herdwick.config import Settings
+
+ADMIN_TOKEN = "test-admin-token-0123456789"
+
+
+async def start_client(db_url: str, redis_url: str, key_prefix: str, clock,
+                       **settings) -> TestClient:
+    cfg = Settings(database_url=db_url, redis_url=redis_url, key_prefix=key_prefix,
+                   admin_token=ADMIN_TOKEN, **settings)
+    client = TestClient(TestServer(create_app(cfg, clock=clock)))
+    await client.start_server()
+    return client

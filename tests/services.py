@@ -1,0 +1,96 @@
+"""Finds the Postgres and Redis the suite runs against, or starts throwaway ones.
+
+Order: HERDWICK_TEST_DATABASE_URL / HERDWICK_TEST_REDIS_URL; else the servers
+on 127.0.0.1:5432 / 6379 (user postgres, then root); else embedded servers
+from the `embedded` extra, in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import urllib.parse
+from pathlib import Path
+
+import asyncpg
+import redis.asyncio as aioredis
+
+LOCAL_POSTGRES = ("postgresql://postgres@127.0.0.1:5432/postgres",
+                  "postgresql://root@127.0.0.1:5432/postgres")
+LOCAL_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def with_database(dsn: str, database: str) -> str:
+    parts = urllib.parse.urlsplit(dsn)
+    return urllib.parse.urlunsplit(parts._replace(path="/" + database))
+
+
+async def _postgres_answers(dsn: str) -> bool:
+    try:
+        conn = await asyncpg.connect(dsn, timeout=3)
+    except (OSError, asyncpg.PostgresError, TimeoutError):
+        return False
+    await conn.close()
+    return True
+
+
+async def _redis_answers(url: str) -> bool:
+    client = aioredis.from_url(url, socket_connect_timeout=2)
+    try:
+        return bool(await client.ping())
+    except (OSError, aioredis.RedisError):
+        return False
+    finally:
+        await client.aclose()
+
+
+class Services:
+    """The admin DSN and Redis URL in use, and whatever we started to get them."""
+
+    def __init__(self) -> None:
+        self.admin_dsn = ""
+        self.redis_url = ""
+        self._started: list = []
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def _scratch(self) -> Path:
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="hwt-", dir="/tmp")
+        return Path(self._tmp.name)
+
+    async def find(self) -> Services:
+        self.admin_dsn = await self._find_postgres()
+        self.redis_url = await self._find_redis()
+        return self
+
+    async def _find_postgres(self) -> str:
+        given = os.environ.get("HERDWICK_TEST_DATABASE_URL")
+        if given:
+            return given
+        for dsn in LOCAL_POSTGRES:
+            if await _postgres_answers(dsn):
+                return dsn
+        from herdwick.embedded import start_postgres
+
+        server = await asyncio.to_thread(start_postgres, self._scratch() / "pg")
+        self._started.append(server)
+        return server.dsn
+
+    async def _find_redis(self) -> str:
+        given = os.environ.get("HERDWICK_TEST_REDIS_URL")
+        if given:
+            return given
+        if await _redis_answers(LOCAL_REDIS):
+            return LOCAL_REDIS
+        from herdwick.embedded import start_redis
+
+        server = await asyncio.to_thread(start_redis, self._scratch() / "redis")
+        self._started.append(server)
+        return server.url
+
+    def stop(self) -> None:
+        for server in reversed(self._started):
+            server.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
