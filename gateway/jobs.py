@@ -11,7 +11,8 @@ from aiohttp import web
 from gateway.auth import tenant_of
 from gateway.body import read_json_body
 from gateway.context import Ctx
-from gateway.problems import bad_field, from_validation_error, invalid
+from gateway.decoding import decode, decode_collecting
+from gateway.problems import bad_field, invalid
 from gateway.submit import HERD_WARN_JOBS, herd_second, herd_warning, prepare
 from herdwick import schedule as sched
 from herdwick.errors import Conflict, IdempotencyKeyReused, InvalidInput
@@ -25,7 +26,6 @@ from herdwick.model import (
     MAX_PAYLOAD_BYTES,
     BatchCreated,
     BatchItem,
-    FieldError,
     Job,
     JobCreated,
     JobPage,
@@ -58,24 +58,8 @@ def _idempotency_key(request: web.Request) -> str | None:
     return key
 
 
-def _decode_spec(raw: bytes, prefix: str = "") -> tuple[JobSpec | None, list[FieldError]]:
-    try:
-        return _spec_decoder.decode(raw), []
-    except msgspec.ValidationError as exc:
-        return None, [from_validation_error(exc, prefix)]
-
-
-def _malformed(exc: msgspec.DecodeError):
-    return bad_field("body", f"malformed JSON: {exc}", status=400)
-
-
 def _decode_batch(raw: bytes) -> list[JobSpec]:
-    try:
-        top = _batch_decoder.decode(raw)
-    except msgspec.ValidationError as exc:
-        raise invalid([from_validation_error(exc)]) from None
-    except msgspec.DecodeError as exc:
-        raise _malformed(exc) from None
+    top = decode(_batch_decoder, raw)
     extra = sorted(set(top) - {"jobs"})
     if extra:
         raise bad_field(extra[0], "unknown field")
@@ -86,7 +70,7 @@ def _decode_batch(raw: bytes) -> list[JobSpec]:
         raise bad_field("jobs", f"a batch holds 1 to {MAX_BATCH_JOBS} jobs, not {len(items)}")
     specs, errors = [], []
     for i, item in enumerate(items):
-        spec, errs = _decode_spec(bytes(item), f"jobs[{i}]")
+        spec, errs = decode_collecting(_spec_decoder, bytes(item), f"jobs[{i}]")
         specs.append(spec)
         errors += errs
     if errors:
@@ -110,13 +94,7 @@ async def submit(request: web.Request) -> web.Response:
     owner = await tenant_of(request, ctx.db, ctx.keys)
     key = _idempotency_key(request)
     body = await read_json_body(request, SINGLE_BODY_CAP)
-    try:
-        spec, errors = _decode_spec(body)
-    except msgspec.DecodeError as exc:
-        raise _malformed(exc) from None
-    if errors:
-        raise invalid(errors)
-    [job] = _prepare_all(ctx, [spec], batch=False)
+    [job] = _prepare_all(ctx, [decode(_spec_decoder, body)], batch=False)
 
     def created(warnings: list[str]) -> JobCreated:
         return JobCreated(job_id=job.job_id, next_run_at=job.next_run_at, state="active",

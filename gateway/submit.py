@@ -96,6 +96,8 @@ def check_payload(raw: msgspec.Raw, prefix: str) -> list[FieldError]:
         value = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         return [_err(prefix, "payload", f"not storable JSON: {exc}")]
+    except RecursionError:
+        return [_err(prefix, "payload", "nested too deeply")]
     if b"\\u0000" in bytes(raw) and _has_nul(value):
         return [_err(prefix, "payload", "strings must not contain \\u0000")]
     return []

@@ -10,7 +10,8 @@ from aiohttp import web
 from gateway.auth import require_admin
 from gateway.body import read_json_body
 from gateway.context import Ctx
-from gateway.problems import bad_field, from_validation_error, invalid
+from gateway.decoding import decode
+from gateway.problems import bad_field
 from herdwick.model import SigningSecret, TenantPatch, TenantSpec
 from storage import tenants as store
 
@@ -25,15 +26,6 @@ def _json(status: int, value: object) -> web.Response:
                         content_type="application/json")
 
 
-def _decode(decoder: msgspec.json.Decoder, raw: bytes):
-    try:
-        return decoder.decode(raw)
-    except msgspec.ValidationError as exc:
-        raise invalid([from_validation_error(exc)]) from None
-    except msgspec.DecodeError as exc:
-        raise bad_field("body", f"malformed JSON: {exc}", status=400) from None
-
-
 def _tenant_id(request: web.Request) -> uuid.UUID:
     try:
         return uuid.UUID(request.match_info["tenantId"])
@@ -44,7 +36,7 @@ def _tenant_id(request: web.Request) -> uuid.UUID:
 async def create_tenant(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     require_admin(request, ctx.settings.admin_token)
-    spec = _decode(_spec_decoder, await read_json_body(request, BODY_CAP))
+    spec = decode(_spec_decoder, await read_json_body(request, BODY_CAP))
     if not spec.name.isprintable():
         raise bad_field("name", "must not contain control characters")
     return _json(201, await store.create_tenant(ctx.db, spec, ctx.clock.now()))
@@ -53,7 +45,7 @@ async def create_tenant(request: web.Request) -> web.Response:
 async def patch_tenant(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     require_admin(request, ctx.settings.admin_token)
-    patch = _decode(_patch_decoder, await read_json_body(request, BODY_CAP))
+    patch = decode(_patch_decoder, await read_json_body(request, BODY_CAP))
     return _json(200, await store.patch_tenant(ctx.db, _tenant_id(request), patch))
 
 

@@ -30,7 +30,8 @@ async def _embedded(settings: Settings, stack: contextlib.ExitStack) -> Settings
         pg = stack.enter_context(await asyncio.to_thread(embedded.start_postgres, base))
         changes["database_url"] = pg.dsn
     if not settings.redis_url:
-        redis = stack.enter_context(await asyncio.to_thread(embedded.start_redis, base))
+        # Started on the loop's thread: die-with-parent is tied to the starting thread.
+        redis = stack.enter_context(embedded.start_redis(base))
         changes["redis_url"] = redis.url
     return msgspec.structs.replace(settings, **changes)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import urllib.parse
 from pathlib import Path
 
@@ -45,6 +44,10 @@ async def _redis_answers(url: str) -> bool:
         await client.aclose()
 
 
+# A stable place, so a killed run's Postgres is adopted by the next run, not leaked.
+EMBEDDED_DIR = Path(__file__).resolve().parent.parent / ".herdwick" / "test-services"
+
+
 class Services:
     """The admin DSN and Redis URL in use, and whatever we started to get them."""
 
@@ -52,12 +55,10 @@ class Services:
         self.admin_dsn = ""
         self.redis_url = ""
         self._started: list = []
-        self._tmp: tempfile.TemporaryDirectory | None = None
 
     def _scratch(self) -> Path:
-        if self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="hwt-", dir="/tmp")
-        return Path(self._tmp.name)
+        EMBEDDED_DIR.mkdir(parents=True, exist_ok=True)
+        return EMBEDDED_DIR
 
     async def find(self) -> Services:
         self.admin_dsn = await self._find_postgres()
@@ -73,7 +74,7 @@ class Services:
                 return dsn
         from herdwick.embedded import start_postgres
 
-        server = await asyncio.to_thread(start_postgres, self._scratch() / "pg")
+        server = await asyncio.to_thread(start_postgres, self._scratch())
         self._started.append(server)
         return server.dsn
 
@@ -85,12 +86,12 @@ class Services:
             return LOCAL_REDIS
         from herdwick.embedded import start_redis
 
-        server = await asyncio.to_thread(start_redis, self._scratch() / "redis")
+        # On this thread, not a worker's: the child's die-with-parent signal is
+        # tied to the thread that started it. It takes about 50 ms.
+        server = start_redis(self._scratch())
         self._started.append(server)
         return server.url
 
     def stop(self) -> None:
         for server in reversed(self._started):
             server.stop()
-        if self._tmp is not None:
-            self._tmp.cleanup()

@@ -33,7 +33,7 @@ UPDATE tenants SET signing_secret = $2 WHERE tenant_id = $1 RETURNING tenant_id;
 -- name: tenant_quota_lock
 -- Serialises the submits of one quota-limited tenant for this transaction, so
 -- the active-job count below cannot be raced past the limit.
-SELECT pg_advisory_xact_lock(hashtextextended($1::text, 0));
+SELECT pg_advisory_xact_lock(hashtextextended($1::uuid::text, 0));
 
 -- name: count_live_jobs
 -- Jobs that still count against max_active_jobs: active or paused.

@@ -12,8 +12,8 @@ ADMIN_TOKEN = "test-admin-token-0123456789"
 
 async def start_client(db_url: str, redis_url: str, key_prefix: str, clock,
                        **settings) -> TestClient:
-    cfg = Settings(database_url=db_url, redis_url=redis_url, key_prefix=key_prefix,
-                   admin_token=ADMIN_TOKEN, **settings)
+    settings = {"admin_token": ADMIN_TOKEN, **settings}
+    cfg = Settings(database_url=db_url, redis_url=redis_url, key_prefix=key_prefix, **settings)
     client = TestClient(TestServer(create_app(cfg, clock=clock)))
     await client.start_server()
     return client

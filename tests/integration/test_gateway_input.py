@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -92,7 +93,7 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
                          ids=[c[0] for c in CASES])
 async def test_bad_submission_is_a_named_4xx_and_changes_nothing(api: Api, db, body, status,
                                                                  field) -> None:
-    resp = await api.client.post("/v1/jobs", data=body,
+    resp = await api.client.post("/v1/jobs", data=io.BytesIO(body),
                                  headers={**api.auth(), "Content-Type": "application/json"})
     assert 400 <= resp.status < 500, await resp.text()
     if status is not None:
