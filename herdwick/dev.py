@@ -19,12 +19,17 @@ DEFAULT_DEV_DIR = ".herdwick"
 DEV_TENANT = "dev"
 
 
+def dev_dir() -> Path:
+    """Where embedded services keep their data: $HERDWICK_DEV_DIR, else ./.herdwick."""
+    return Path(os.environ.get(DEV_DIR_ENV, DEFAULT_DEV_DIR)).absolute()
+
+
 async def _embedded(settings: Settings, stack: contextlib.ExitStack) -> Settings:
     if settings.database_url and settings.redis_url:
         return settings
     from herdwick import embedded
 
-    base = Path(os.path.abspath(os.environ.get(DEV_DIR_ENV, DEFAULT_DEV_DIR)))
+    base = dev_dir()
     changes: dict[str, str] = {}
     if not settings.database_url:
         pg = stack.enter_context(await asyncio.to_thread(embedded.start_postgres, base))
