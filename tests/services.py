@@ -2,7 +2,8 @@
 
 Order: HERDWICK_TEST_DATABASE_URL / HERDWICK_TEST_REDIS_URL; else the servers
 on 127.0.0.1:5432 / 6379 (user postgres, then root); else embedded servers
-from the `embedded` extra, in a temporary directory.
+from the `embedded` extra. HERDWICK_TEST_EMBEDDED=1 skips the local servers,
+to exercise the fallback on a machine that has them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import redis.asyncio as aioredis
 LOCAL_POSTGRES = ("postgresql://postgres@127.0.0.1:5432/postgres",
                   "postgresql://root@127.0.0.1:5432/postgres")
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
+FORCE_EMBEDDED = os.environ.get("HERDWICK_TEST_EMBEDDED") == "1"
 
 
 def with_database(dsn: str, database: str) -> str:
@@ -69,7 +71,7 @@ class Services:
         given = os.environ.get("HERDWICK_TEST_DATABASE_URL")
         if given:
             return given
-        for dsn in LOCAL_POSTGRES:
+        for dsn in () if FORCE_EMBEDDED else LOCAL_POSTGRES:
             if await _postgres_answers(dsn):
                 return dsn
         from herdwick.embedded import start_postgres
@@ -82,7 +84,7 @@ class Services:
         given = os.environ.get("HERDWICK_TEST_REDIS_URL")
         if given:
             return given
-        if await _redis_answers(LOCAL_REDIS):
+        if not FORCE_EMBEDDED and await _redis_answers(LOCAL_REDIS):
             return LOCAL_REDIS
         from herdwick.embedded import start_redis
 
