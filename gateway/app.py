@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway.context import CTX, Ctx
 from gateway.jobs import BATCH_BODY_CAP
+from gateway.notify import notifier
 from gateway.openapi import DOCUMENT, document, openapi
 from gateway.problems import problem_middleware
 from gateway.routes import register
@@ -18,6 +19,7 @@ from herdwick.clock import Clock, SystemClock
 from herdwick.config import Settings
 from storage import migrate
 from storage.db import Database
+from storage.hot import HotTier
 
 log = logging.getLogger("herdwick.gateway")
 
@@ -37,8 +39,12 @@ def create_app(settings: Settings, *, clock: Clock | None = None, db: Database |
         try:
             async with database.connection() as conn:
                 await migrate.check(conn)
-            app[CTX] = Ctx(settings=settings, clock=clock or SystemClock(), db=database,
-                           redis=client, http_allow=settings.http_allow_networks)
+            the_clock = clock or SystemClock()
+            ctx = Ctx(settings=settings, clock=the_clock, db=database, redis=client,
+                      http_allow=settings.http_allow_networks)
+            if client is not None:
+                ctx.after_submit = notifier(HotTier(client, settings.key_prefix), the_clock)
+            app[CTX] = ctx
             yield
         finally:
             if db is None:

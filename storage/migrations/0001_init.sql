@@ -55,14 +55,16 @@ CREATE TABLE idempotency_keys (
 CREATE INDEX idempotency_keys_expiry ON idempotency_keys (expires_at);
 
 -- What falls due when. One contiguous range scan per shard per load tick:
--- (shard_id, due_minute <= now + 1 min). execution_id/attempt are set for a
--- retry of an existing execution and NULL for a new occurrence.
+-- (shard_id, due_minute <= now + 1 min). execution_id, scheduled_for (its
+-- partition key) and attempt are set for a retry of an existing execution
+-- and NULL for a new occurrence.
 CREATE TABLE due_index (
     shard_id      smallint NOT NULL CHECK (shard_id BETWEEN 0 AND 255),
     due_minute    timestamptz NOT NULL,
     next_run_at   timestamptz NOT NULL,
     job_id        uuid NOT NULL,
     execution_id  uuid,
+    scheduled_for timestamptz,
     attempt       integer,
     PRIMARY KEY (shard_id, due_minute, next_run_at, job_id)
 );

@@ -1,0 +1,226 @@
+"""The actor kernel: an Actor owns its state and a bounded mailbox; a Supervisor runs actors.
+
+An actor handles one message at a time in its own task, so nothing else ever
+touches its state: other code talks to it only through `send`. A full
+mailbox makes `send` wait (backpressure), never grow without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from herdwick.clock import Clock, SystemClock
+
+log = logging.getLogger("herdwick.actors")
+
+MAILBOX_SIZE = 1024
+RESTART_BACKOFF_S = (0.1, 0.5, 2.0, 5.0)
+
+
+class Stop(msgspec.Struct, frozen=True):
+    """Finish what is in hand and exit the run loop."""
+
+
+class Tick(msgspec.Struct, frozen=True):
+    """Periodic work is a message: the ticker sends it, tests send it by hand."""
+
+
+class Sync:
+    """Test signal: `done` is set once every message sent before it has been handled."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+
+
+async def sync(actor: Actor, timeout_s: float = 30.0) -> None:
+    signal = Sync()
+    await actor.send(signal)
+    await asyncio.wait_for(signal.done.wait(), timeout_s)
+
+
+class Actor:
+    """Subclasses implement `handle(msg)`; `idle_timeout()` may bound the wait for a message.
+
+    When the wait times out, `handle(None)` runs: that is how an actor wakes
+    for a deadline (a heap top falling due) without a separate timer task.
+    """
+
+    name = "actor"
+
+    def __init__(self, *, clock: Clock | None = None, mailbox_size: int = MAILBOX_SIZE) -> None:
+        self.clock = clock or SystemClock()
+        # Written by any task through send(); read only by this actor's run loop.
+        self.mailbox: asyncio.Queue[object] = asyncio.Queue(maxsize=mailbox_size)
+        self.ready = asyncio.Event()
+        self.stopped = False
+
+    async def send(self, msg: object) -> None:
+        await self.mailbox.put(msg)
+
+    def try_send(self, msg: object) -> bool:
+        """Deliver if there is room; for best-effort messages (notify) that may be dropped."""
+        try:
+            self.mailbox.put_nowait(msg)
+        except asyncio.QueueFull:
+            return False
+        return True
+
+    def idle_timeout(self) -> float | None:
+        return None
+
+    async def on_start(self) -> None:
+        """Runs before the first message; `start()` returns once it has."""
+
+    async def on_stop(self) -> None:
+        """Runs after the loop ends, on Stop, cancellation or crash."""
+
+    async def handle(self, msg: object | None) -> None:
+        raise NotImplementedError
+
+    async def run(self) -> None:
+        await self.on_start()
+        self.ready.set()
+        try:
+            while not self.stopped:
+                msg = await self._next()
+                if isinstance(msg, Stop):
+                    self.stopped = True
+                    break
+                if isinstance(msg, Sync):
+                    msg.done.set()
+                    continue
+                await self.handle(msg)
+        finally:
+            await self.on_stop()
+
+    async def _next(self) -> object | None:
+        timeout = self.idle_timeout()
+        if timeout is None:
+            return await self.mailbox.get()
+        if timeout <= 0:
+            return self._take_nowait()
+        try:
+            return await asyncio.wait_for(self.mailbox.get(), timeout)
+        except TimeoutError:
+            return None
+
+    def _take_nowait(self) -> object | None:
+        try:
+            return self.mailbox.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+    def drain_until_sync(self, limit: int) -> list[object]:
+        """What waits in the mailbox, up to `limit` messages, without blocking.
+
+        Stops before a Sync or Stop, which the run loop must see in order.
+        """
+        taken = []
+        while len(taken) < limit and not self.mailbox.empty():
+            head = self.mailbox._queue[0]  # asyncio.Queue keeps its items in a deque
+            if isinstance(head, Sync | Stop):
+                break
+            taken.append(self.mailbox.get_nowait())
+        return taken
+
+
+class Supervisor:
+    """Runs actors in one TaskGroup; restarts a crashed actor with backoff and logs why.
+
+    Restarting builds a fresh actor from its factory, so a crash never leaves
+    half-updated state behind: the new one reloads what it needs.
+    """
+
+    def __init__(self, name: str = "supervisor") -> None:
+        self.name = name
+        self._group = asyncio.TaskGroup()
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._current: dict[str, Actor] = {}
+        self._entered = False
+
+    async def __aenter__(self) -> Supervisor:
+        await self._group.__aenter__()
+        self._entered = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop_all()
+        await self._group.__aexit__(*exc)
+
+    def actor(self, key: str) -> Actor | None:
+        return self._current.get(key)
+
+    async def start(self, key: str, factory: Callable[[], Actor], *,
+                    restart: bool = True) -> Actor:
+        """Start an actor under `key`; returns once it is ready."""
+        first = factory()
+        self._current[key] = first
+        self._tasks[key] = self._group.create_task(self._keep(key, factory, first, restart),
+                                                   name=f"{self.name}:{key}")
+        ready = asyncio.create_task(first.ready.wait())
+        await asyncio.wait({ready, self._tasks[key]}, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        return first
+
+    async def _keep(self, key: str, factory: Callable[[], Actor], actor: Actor,
+                    restart: bool) -> None:
+        failures = 0
+        while True:
+            try:
+                await actor.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                delay = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
+                log.exception("event=actor_crashed actor=%s restart=%s delay_s=%.1f",
+                              key, restart, delay)
+                if not restart:
+                    return
+                failures += 1
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                actor = factory()
+                self._current[key] = actor
+
+    async def stop(self, key: str, timeout_s: float = 5.0) -> None:
+        """Send Stop and wait for the actor to finish; cancel it past the deadline."""
+        task = self._tasks.pop(key, None)
+        actor = self._current.pop(key, None)
+        if task is None or actor is None:
+            return
+        if not task.done():
+            with contextlib.suppress(asyncio.QueueFull):
+                actor.mailbox.put_nowait(Stop())
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    def cancel(self, key: str) -> None:
+        """Kill without a clean stop: what a crash looks like (fault tests)."""
+        task = self._tasks.pop(key, None)
+        self._current.pop(key, None)
+        if task is not None:
+            task.cancel()
+
+    async def stop_all(self) -> None:
+        for key in list(self._tasks):
+            await self.stop(key)
+
+    def keys(self) -> list[str]:
+        return list(self._tasks)
+
+
+async def every(interval_s: float, send: Callable[[], Awaitable[None]],
+                jitter: float = 0.1) -> None:
+    """A ticker: calls `send` every interval, jittered so nodes do not beat in step."""
+    while True:
+        await asyncio.sleep(interval_s * (1 - jitter + 2 * jitter * random.random()))
+        await send()

@@ -1,0 +1,182 @@
+"""The scheduler process: coordinator, shard actors, dispatch actors, pool queues, notify.
+
+    gateway --notify--> shard actors --Due--> dispatch actors --Publish--> pool queues --> Redis
+                            ^  coordinator starts/stops them as leases come and go
+
+Shutdown order matters: stop the shard actors (no more loading or popping),
+let the dispatch actors finish the transaction in flight, let the pool
+queues publish what was committed, then release the leases so other nodes
+take the shards at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+
+import redis.asyncio as aioredis
+
+from actors.base import Supervisor, Tick, every, sync
+from actors.coordinator import RENEW_INTERVAL_S, Coordinator
+from actors.dispatcher import DispatchActor
+from actors.messages import LeaseLost, NotifyDue, Publish
+from actors.poolqueue import PoolQueue
+from actors.shard import ShardActor
+from herdwick.clock import Clock, SystemClock
+from herdwick.config import Settings
+from herdwick.metrics import Histogram
+from storage import keys, migrate
+from storage.db import Database
+from storage.hot import HotTier, decode_notify
+
+log = logging.getLogger("herdwick.scheduler")
+
+DISPATCH_ACTORS = 2
+DB_POOL_MAX = 16
+
+
+def new_node_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class Scheduler:
+    """One scheduler node. `tick=False` leaves timers to the caller (tests send Tick)."""
+
+    def __init__(self, settings: Settings, *, clock: Clock | None = None,
+                 db: Database | None = None, redis: aioredis.Redis | None = None,
+                 node_id: str | None = None, tick: bool = True,
+                 dispatch_actors: int = DISPATCH_ACTORS) -> None:
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.node_id = node_id or new_node_id()
+        self._given_db, self._given_redis = db, redis
+        self._tick = tick
+        self._dispatch_count = dispatch_actors
+        # Leases are checked against the database's clock unless a test injected one.
+        self._db_now = clock is None
+        self.lag: dict[str, Histogram] = {}  # tenant -> dispatch lag; written by pool queues
+        self.db: Database | None = None
+        self.hot: HotTier | None = None
+        self.dispatchers: list[DispatchActor] = []
+        self.coordinator: Coordinator | None = None
+        self._core = Supervisor("scheduler")
+        self._shards = Supervisor("shards")
+        self._pools: dict[str, PoolQueue] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> Scheduler:
+        self.db = self._given_db or await Database.connect(self.settings.database_url,
+                                                           max_size=DB_POOL_MAX)
+        async with self.db.connection() as conn:
+            await migrate.check(conn)
+        client = self._given_redis or aioredis.from_url(self.settings.redis_url)
+        self.hot = HotTier(client, self.settings.key_prefix)
+        await self.hot.load_functions()
+        await self._core.__aenter__()
+        await self._shards.__aenter__()
+        for i in range(self._dispatch_count):
+            actor = DispatchActor(db=self.db, node_id=self.node_id, clock=self.clock,
+                                  publish=self._publish, lease_lost=self._lease_lost,
+                                  db_now=self._db_now)
+            self.dispatchers.append(actor)
+            await self._core.start(f"dispatch-{i}", lambda a=actor: a, restart=True)
+        self.coordinator = Coordinator(self.node_id, db=self.db, clock=self.clock,
+                                       shards=self._shards, make_shard=self._make_shard,
+                                       db_now=self._db_now)
+        await self._core.start("coordinator", lambda: self.coordinator)
+        if self._tick:
+            self._tasks.append(asyncio.create_task(
+                every(RENEW_INTERVAL_S, lambda: self.coordinator.send(Tick()))))
+        self._tasks.append(asyncio.create_task(self._listen_notify(client)))
+        log.info("event=scheduler_started node=%s shards=%d", self.node_id,
+                 len(self.coordinator.leases))
+        return self
+
+    def _make_shard(self, shard_id: int, revision: int) -> ShardActor:
+        dispatcher = self.dispatchers[shard_id % len(self.dispatchers)]
+        return ShardActor(shard_id, revision, db=self.db, dispatcher=dispatcher,
+                          clock=self.clock)
+
+    def shard(self, shard_id: int) -> ShardActor | None:
+        return self._shards.actor(f"shard-{shard_id}")
+
+    @property
+    def shard_ids(self) -> set[int]:
+        return set(self.coordinator.leases) if self.coordinator else set()
+
+    async def _publish(self, pool: str, publish: Publish) -> None:
+        queue = self._pools.get(pool)
+        if queue is None:
+            queue = PoolQueue(pool, hot=self.hot, clock=self.clock, lag=self.lag)
+            self._pools[pool] = queue
+            await self._core.start(f"pool-{pool}", lambda: queue)
+        await queue.send(publish)
+
+    async def _lease_lost(self, lost: LeaseLost) -> None:
+        await self.coordinator.send(lost)
+
+    async def _listen_notify(self, client: aioredis.Redis) -> None:
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(keys.notify_channel(self.settings.key_prefix))
+            async for message in pubsub.listen():
+                if message.get("type") != "message":
+                    continue
+                for note in decode_notify(message["data"]):
+                    actor = self.shard(note.shard_id)
+                    if actor is not None:
+                        actor.try_send(NotifyDue(uuid.UUID(note.job_id).int,
+                                                note.next_run_at_us))
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+
+    async def settle(self) -> None:
+        """Test signal: every shard has handled a Tick, and all that followed has flushed."""
+        shards = [self.shard(s) for s in sorted(self.shard_ids)]
+        for actor in shards:
+            if actor is not None:
+                await actor.send(Tick())
+        for actor in [*shards, *self.dispatchers]:
+            if actor is not None:
+                await sync(actor)
+        for queue in list(self._pools.values()):
+            await sync(queue)
+
+    @property
+    def published(self) -> int:
+        return sum(q.published for q in self._pools.values())
+
+    async def stop(self) -> None:
+        """Clean shutdown (SIGTERM): see the module docstring for the order."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.coordinator is not None:
+            await self._core.stop("coordinator")
+            await self._shards.stop_all()
+            for i in range(len(self.dispatchers)):
+                await self._core.stop(f"dispatch-{i}", timeout_s=10)
+            for pool in list(self._pools):
+                await self._core.stop(f"pool-{pool}", timeout_s=10)
+            await self.coordinator.release_all()
+        await self._core.__aexit__(None, None, None)
+        await self._shards.__aexit__(None, None, None)
+        if self._given_redis is None and self.hot is not None:
+            await self.hot.client.aclose()
+        if self._given_db is None and self.db is not None:
+            await self.db.close()
+        log.info("event=scheduler_stopped node=%s", self.node_id)
+
+    def crash(self) -> None:
+        """Die without releasing anything (fault tests): tasks cancelled, leases left to expire."""
+        for task in self._tasks:
+            task.cancel()
+        for key in self._shards.keys():
+            self._shards.cancel(key)
+        for key in self._core.keys():
+            self._core.cancel(key)

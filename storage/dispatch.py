@@ -1,0 +1,139 @@
+"""The scheduler's reads and its fenced dispatch transaction."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from datetime import datetime
+
+import msgspec
+
+from storage.db import Database
+from storage.jobs import due_minute
+from storage.sql import q
+
+LOAD_LIMIT = 50_000
+
+
+class DueRow(msgspec.Struct, frozen=True):
+    next_run_at: datetime
+    job_id: uuid.UUID
+    execution_id: uuid.UUID | None = None
+    scheduled_for: datetime | None = None
+    attempt: int | None = None
+
+
+class Claimed(msgspec.Struct, frozen=True, kw_only=True):
+    """A due row this transaction took, with what dispatch needs of its job."""
+
+    shard_id: int
+    next_run_at: datetime
+    job_id: uuid.UUID
+    execution_id: uuid.UUID | None
+    scheduled_for: datetime | None
+    attempt: int | None
+    tenant_id: uuid.UUID
+    pool: str
+    payload: str
+    schedule: str
+    timeout_s: int
+    state: str
+
+
+class NewExecution(msgspec.Struct, frozen=True):
+    execution_id: uuid.UUID
+    job_id: uuid.UUID
+    tenant_id: uuid.UUID
+    scheduled_for: datetime
+    state: str  # queued | skipped
+
+
+class NextDue(msgspec.Struct, frozen=True):
+    shard_id: int
+    next_run_at: datetime
+    job_id: uuid.UUID
+
+
+class Retry(msgspec.Struct, frozen=True):
+    execution_id: uuid.UUID
+    scheduled_for: datetime
+    attempt: int
+
+
+class Plan(msgspec.Struct, kw_only=True):
+    """What to write for a set of claimed rows, decided by the scheduler's pure planner."""
+
+    executions: list[NewExecution] = []
+    next_due: list[NextDue] = []
+    job_next: list[tuple[uuid.UUID, datetime | None]] = []
+    retries: list[Retry] = []
+
+
+class Queued(msgspec.Struct, frozen=True):
+    """An execution the transaction queued: to publish after commit."""
+
+    execution_id: uuid.UUID
+    job_id: uuid.UUID
+    scheduled_for: datetime
+    attempt: int
+
+
+class Dispatched(msgspec.Struct, kw_only=True):
+    held: set[int]  # shards whose lease checked out
+    claimed: list[Claimed]
+    queued: list[Queued]
+
+
+class DueKey(msgspec.Struct, frozen=True):
+    shard_id: int
+    next_run_at: datetime
+    job_id: uuid.UUID
+
+
+async def load_due(db: Database, shard_id: int, horizon: datetime,
+                   limit: int = LOAD_LIMIT) -> list[DueRow]:
+    async with db.connection() as conn:
+        rows = await conn.fetch(q("load_due"), shard_id, horizon, limit)
+    return [DueRow(r["next_run_at"], r["job_id"], r["execution_id"], r["scheduled_for"],
+                   r["attempt"]) for r in rows]
+
+
+def _claimed(row) -> Claimed:
+    return Claimed(shard_id=row["shard_id"], next_run_at=row["next_run_at"],
+                   job_id=row["job_id"], execution_id=row["execution_id"],
+                   scheduled_for=row["scheduled_for"], attempt=row["attempt"],
+                   tenant_id=row["tenant_id"], pool=row["pool"],
+                   payload=row["payload"], schedule=row["schedule"],
+                   timeout_s=row["timeout_s"], state=row["state"])
+
+
+async def dispatch(db: Database, node_id: str, revisions: dict[int, int], keys: list[DueKey],
+                   now: datetime | None, plan: Callable[[list[Claimed]], Plan]) -> Dispatched:
+    """One fenced transaction: claim the due rows of held shards, write `plan(claimed)`."""
+    shards = sorted(revisions)
+    async with db.transaction() as conn:
+        rows = await conn.fetch(
+            q("claim_due"), node_id, shards, [revisions[s] for s in shards], now,
+            [k.shard_id for k in keys], [due_minute(k.next_run_at) for k in keys],
+            [k.next_run_at for k in keys], [k.job_id for k in keys])
+        held = set(rows[0]["held"])
+        claimed = [_claimed(r) for r in rows if r["job_id"] is not None]
+        if not claimed:
+            return Dispatched(held=held, claimed=[], queued=[])
+        decided = plan(claimed)
+        out = await conn.fetch(q("finish_dispatch"), now, *_finish_args(decided))
+    queued = [Queued(r["execution_id"], r["job_id"], r["scheduled_for"], r["attempt"])
+              for r in out]
+    return Dispatched(held=held, claimed=claimed, queued=queued)
+
+
+def _finish_args(plan: Plan) -> tuple[list, ...]:
+    ex, nd, jn, rt = plan.executions, plan.next_due, plan.job_next, plan.retries
+    return (
+        [e.execution_id for e in ex], [e.job_id for e in ex], [e.tenant_id for e in ex],
+        [e.scheduled_for for e in ex], [e.state for e in ex],
+        [n.shard_id for n in nd], [due_minute(n.next_run_at) for n in nd],
+        [n.next_run_at for n in nd], [n.job_id for n in nd],
+        [j for j, _ in jn], [t for _, t in jn],
+        [r.execution_id for r in rt], [r.scheduled_for for r in rt], [r.attempt for r in rt],
+    )

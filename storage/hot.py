@@ -1,0 +1,107 @@
+"""The hot tier: calls into the Redis functions of lua/, batched.
+
+Nothing here mutates hot state itself: that is the functions' job.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from herdwick.errors import StorageUnavailable
+from storage import keys
+
+log = logging.getLogger("herdwick.hot")
+
+LIBRARY_PATH = Path(__file__).resolve().parent.parent / "lua" / "herdwick.lua"
+PUBLISH_CHUNK = 500  # executions per FCALL: bounds the time one call holds the server
+
+
+class ReadyExecution(msgspec.Struct, frozen=True, kw_only=True):
+    """One execution to put on its pool's ready stream (contract fields)."""
+
+    execution_id: str
+    attempt: int
+    job_id: str
+    tenant_id: str
+    scheduled_for: str  # RFC 3339 UTC
+    payload: str  # JSON text
+    timeout_seconds: int
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"{self.job_id}:{self.scheduled_for}"
+
+    def args(self) -> list[str]:
+        return [self.execution_id, str(self.attempt), self.job_id, self.tenant_id,
+                self.scheduled_for, self.payload, str(self.timeout_seconds),
+                self.idempotency_key]
+
+
+class NotifyMessage(msgspec.Struct, frozen=True, array_like=True):
+    """A near-due submission, so the owning shard adds it to its heap at once."""
+
+    shard_id: int
+    job_id: str
+    next_run_at_us: int  # microseconds: the heap key must match the due row exactly
+
+
+_notify_encoder = msgspec.json.Encoder()
+_notify_decoder = msgspec.json.Decoder(list[NotifyMessage])
+
+
+def decode_notify(data: bytes) -> list[NotifyMessage]:
+    return _notify_decoder.decode(data)
+
+
+class HotTier:
+    """A Redis client and key prefix, with herdwick's calls on them."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self._groups: set[str] = set()
+
+    async def load_functions(self) -> None:
+        """FUNCTION LOAD REPLACE: every process ships the same library, so the last wins."""
+        try:
+            await self.client.function_load(LIBRARY_PATH.read_text(), replace=True)
+        except RedisError as exc:
+            raise StorageUnavailable(f"redis: cannot load functions: {exc}") from exc
+
+    async def ensure_group(self, pool: str) -> None:
+        if pool in self._groups:
+            return
+        try:
+            await self.client.xgroup_create(keys.ready_stream(self.prefix, pool),
+                                            keys.WORKERS_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._groups.add(pool)
+
+    async def publish(self, batches: dict[str, list[ReadyExecution]]) -> int:
+        """Publish executions, grouped by pool, in one pipeline; returns how many were added."""
+        for pool in batches:
+            await self.ensure_group(pool)
+        pipe = self.client.pipeline(transaction=False)
+        for pool, items in batches.items():
+            base = keys.pool_base(self.prefix, pool)
+            for start in range(0, len(items), PUBLISH_CHUNK):
+                args = [a for item in items[start:start + PUBLISH_CHUNK] for a in item.args()]
+                pipe.fcall("hw_publish", 1, base, *args)
+        try:
+            results = await pipe.execute()
+        except RedisError as exc:
+            raise StorageUnavailable(f"redis: publish failed: {exc}") from exc
+        return sum(int(r) for r in results)
+
+    async def notify(self, messages: list[NotifyMessage]) -> None:
+        """Best effort: a lost notify only waits for the next load."""
+        if messages:
+            await self.client.publish(keys.notify_channel(self.prefix),
+                                      _notify_encoder.encode(messages))

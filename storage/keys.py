@@ -1,0 +1,32 @@
+"""Every Redis key and channel name herdwick uses, in one place.
+
+A pool's keys share the hash tag `{pool}`, so on Redis Cluster they live in
+one slot and a function call may touch all of them.
+"""
+
+from __future__ import annotations
+
+
+def pool_base(prefix: str, pool: str) -> str:
+    """The one key the worker-protocol functions take: `P:{pool}`."""
+    return f"{prefix}:{{{pool}}}"
+
+
+def ready_stream(prefix: str, pool: str) -> str:
+    return pool_base(prefix, pool) + ":ready"
+
+
+def events_stream(prefix: str, pool: str) -> str:
+    return pool_base(prefix, pool) + ":events"
+
+
+def hot_state(prefix: str, pool: str, execution_id: str) -> str:
+    return pool_base(prefix, pool) + ":x:" + execution_id
+
+
+def notify_channel(prefix: str) -> str:
+    """Pub/sub channel: the gateway announces near-due submissions to the shard owners."""
+    return f"{prefix}:notify"
+
+
+WORKERS_GROUP = "workers"

@@ -1,0 +1,74 @@
+-- name: load_due
+-- One contiguous range scan of a shard's due rows up to the horizon (overdue
+-- included), keys only: the heap holds keys, the dispatch fetches the rest.
+SELECT next_run_at, job_id, execution_id, scheduled_for, attempt
+FROM due_index
+WHERE shard_id = $1 AND due_minute <= $2
+ORDER BY due_minute, next_run_at, job_id
+LIMIT $3;
+
+-- name: claim_due
+-- Step 1 of a dispatch transaction. Holds the lease row of every shard in the
+-- batch FOR SHARE and keeps only those still ours at our revision (fencing:
+-- a node whose lease was taken writes nothing for that shard, however long
+-- it was paused). Then deletes the due rows of the held shards - the delete
+-- is the claim: a row already gone (paused, canceled, dispatched) is not
+-- dispatched - and returns each claimed row with what dispatch needs of its job.
+-- Always returns at least one row, whose `held` lists the held shards.
+WITH held AS (
+    SELECT l.shard_id
+    FROM shard_leases l
+    JOIN unnest($2::smallint[], $3::bigint[]) AS mine(shard_id, revision)
+      ON l.shard_id = mine.shard_id AND l.revision = mine.revision
+    WHERE l.owner = $1 AND l.lease_until > coalesce($4, now())
+    FOR SHARE OF l
+), claimed AS (
+    DELETE FROM due_index d
+    USING unnest($5::smallint[], $6::timestamptz[], $7::timestamptz[], $8::uuid[])
+          AS e(shard_id, due_minute, next_run_at, job_id)
+    WHERE d.shard_id = e.shard_id AND d.due_minute = e.due_minute
+      AND d.next_run_at = e.next_run_at AND d.job_id = e.job_id
+      AND e.shard_id IN (SELECT shard_id FROM held)
+    RETURNING d.shard_id, d.next_run_at, d.job_id, d.execution_id, d.scheduled_for, d.attempt
+)
+SELECT (SELECT coalesce(array_agg(shard_id), '{}') FROM held) AS held,
+       c.shard_id, c.next_run_at, c.job_id, c.execution_id, c.scheduled_for, c.attempt,
+       j.tenant_id, j.pool, j.payload::text AS payload, j.schedule::text AS schedule,
+       j.timeout_s, j.state
+FROM (SELECT 1) AS one
+LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id) ON true;
+
+-- name: finish_dispatch
+-- Step 2, same transaction: creates the occurrences' executions (once per
+-- (job_id, scheduled_for), however often a batch is retried; skipped ones are
+-- recorded, not lost), inserts each cron job's next due row, moves
+-- jobs.next_run_at, and re-queues retries of existing executions. Returns
+-- what to publish: the queued executions this call created or re-queued.
+WITH new_exec AS (
+    INSERT INTO executions (execution_id, job_id, tenant_id, scheduled_for, attempt, state,
+                            queued_at, finished_at)
+    SELECT x.execution_id, x.job_id, x.tenant_id, x.scheduled_for, 1, x.state, coalesce($1, now()),
+           CASE WHEN x.state = 'skipped' THEN coalesce($1, now()) END
+    FROM unnest($2::uuid[], $3::uuid[], $4::uuid[], $5::timestamptz[], $6::text[])
+         AS x(execution_id, job_id, tenant_id, scheduled_for, state)
+    ON CONFLICT (job_id, scheduled_for) DO NOTHING
+    RETURNING execution_id, job_id, scheduled_for, attempt, state
+), next_due AS (
+    INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)
+    SELECT * FROM unnest($7::smallint[], $8::timestamptz[], $9::timestamptz[], $10::uuid[])
+    ON CONFLICT DO NOTHING
+), job_next AS (
+    UPDATE jobs j SET next_run_at = n.next_run_at, updated_at = coalesce($1, now())
+    FROM unnest($11::uuid[], $12::timestamptz[]) AS n(job_id, next_run_at)
+    WHERE j.job_id = n.job_id AND j.state = 'active'
+), retried AS (
+    UPDATE executions e SET state = 'queued', attempt = r.attempt, queued_at = coalesce($1, now())
+    FROM unnest($13::uuid[], $14::timestamptz[], $15::integer[])
+         AS r(execution_id, scheduled_for, attempt)
+    WHERE e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
+      AND e.state = 'retry_wait' AND e.attempt = r.attempt - 1
+    RETURNING e.execution_id, e.job_id, e.scheduled_for, e.attempt, e.state
+)
+SELECT execution_id, job_id, scheduled_for, attempt FROM new_exec WHERE state = 'queued'
+UNION ALL
+SELECT execution_id, job_id, scheduled_for, attempt FROM retried;

@@ -1,0 +1,229 @@
+"""The scheduler tier over real Postgres and Redis, with time moved by hand."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import timedelta
+
+import pytest
+
+from actors.base import Tick, sync
+from actors.scheduler import Scheduler
+from herdwick.config import Settings
+from herdwick.ids import shard_of
+from storage import keys
+from tests.conftest import T0
+from tests.integration.conftest import Api, make_job
+
+
+@pytest.fixture
+async def schedulers(db, redis_client, key_prefix, clock) -> AsyncIterator[list]:
+    """A factory of scheduler nodes sharing the test's database, Redis prefix and clock."""
+    started: list[Scheduler] = []
+    settings = Settings(key_prefix=key_prefix)
+
+    async def start(node_id: str | None = None) -> Scheduler:
+        node = Scheduler(settings, clock=clock, db=db, redis=redis_client,
+                         node_id=node_id or f"node-{len(started)}", tick=False)
+        started.append(node)
+        return await node.start()
+
+    try:
+        yield start
+    finally:
+        for node in started:
+            if not getattr(node, "crashed", False):
+                await node.stop()
+
+
+async def ready(redis_client, key_prefix: str, pool: str = "emails") -> list[dict]:
+    entries = await redis_client.xrange(keys.ready_stream(key_prefix, pool))
+    return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
+
+
+async def submit(api: Api, **overrides) -> dict:
+    resp = await api.submit(make_job(**overrides))
+    assert resp.status == 201, await resp.text()
+    return await resp.json()
+
+
+async def test_a_one_off_is_published_when_due_and_not_before(api, schedulers, redis_client,
+                                                               key_prefix, clock, db) -> None:
+    job = await submit(api, schedule={"delaySeconds": 30})
+    node = await schedulers()
+    await node.settle()
+    assert await ready(redis_client, key_prefix) == []
+
+    await advance(clock, 30, node)
+    await node.settle()
+    [entry] = await ready(redis_client, key_prefix)
+    assert entry["job_id"] == job["jobId"]
+    assert entry["tenant_id"] == api.tenant_id
+    assert entry["attempt"] == "1"
+    assert entry["scheduled_for"] == job["nextRunAt"]
+    assert entry["idempotency_key"] == f"{job['jobId']}:{job['nextRunAt']}"
+    assert entry["payload"] == '{"to": "a@example.com"}'
+    assert entry["timeout_seconds"] == "300"
+    async with db.connection() as conn:
+        execution = await conn.fetchrow("SELECT * FROM executions WHERE job_id = $1",
+                                        job["jobId"])
+        assert execution["state"] == "queued"
+        assert str(execution["execution_id"]) == entry["execution_id"]
+        assert await conn.fetchval("SELECT count(*) FROM due_index") == 0
+    assert node.lag[api.tenant_id].total == 1
+
+    await advance(clock, 60, node)
+    await node.settle()
+    assert len(await ready(redis_client, key_prefix)) == 1
+
+
+async def test_a_cron_job_queues_each_occurrence_and_its_successor(api, schedulers, redis_client,
+                                                                    key_prefix, clock, db) -> None:
+    job = await submit(api, schedule={"cron": "*/5 * * * *"})
+    assert job["nextRunAt"] == "2026-12-02T12:05:00Z"
+    node = await schedulers()
+    for _ in range(2):
+        await advance(clock, 5 * 60, node)
+        await node.settle()
+    entries = await ready(redis_client, key_prefix)
+    assert [e["scheduled_for"] for e in entries] == ["2026-12-02T12:05:00Z",
+                                                     "2026-12-02T12:10:00Z"]
+    async with db.connection() as conn:
+        due = await conn.fetch("SELECT next_run_at FROM due_index WHERE job_id = $1",
+                               job["jobId"])
+        next_run = await conn.fetchval("SELECT next_run_at FROM jobs WHERE job_id = $1",
+                                       job["jobId"])
+    assert [r["next_run_at"] for r in due] == [T0 + timedelta(minutes=15)]
+    assert next_run == T0 + timedelta(minutes=15)
+
+
+async def test_paused_and_canceled_jobs_never_dispatch(api, schedulers, redis_client,
+                                                       key_prefix, clock, db) -> None:
+    paused = await submit(api, name="paused", schedule={"delaySeconds": 10})
+    canceled = await submit(api, name="canceled", schedule={"cron": "* * * * *"})
+    node = await schedulers()
+    await node.settle()  # both are in their shards' heaps now
+    await api.client.post(f"/v1/jobs/{paused['jobId']}:pause", headers=api.auth())
+    await api.client.delete(f"/v1/jobs/{canceled['jobId']}", headers=api.auth())
+    await advance(clock, 120, node)
+    await node.settle()
+    assert await ready(redis_client, key_prefix) == []
+    async with db.connection() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM executions") == 0
+
+
+@pytest.mark.parametrize(("misfire", "queued", "skipped"), [("skip", 1, 9), ("catch_up", 10, 0)])
+async def test_overdue_cron_after_downtime_follows_the_misfire_policy(
+        api, schedulers, redis_client, key_prefix, clock, db, misfire, queued, skipped) -> None:
+    job = await submit(api, schedule={"cron": "* * * * *", "misfire": misfire})
+    clock.advance(10 * 60)  # down from 12:00 to 12:10: 12:01 .. 12:10 were due
+    node = await schedulers()
+    await node.settle()
+    entries = await ready(redis_client, key_prefix)
+    assert len(entries) == queued
+    assert entries[-1]["scheduled_for"] == "2026-12-02T12:10:00Z"
+    async with db.connection() as conn:
+        states = dict(await conn.fetch(
+            "SELECT state, count(*) FROM executions WHERE job_id = $1 GROUP BY state",
+            job["jobId"]))
+        nxt = await conn.fetchval("SELECT next_run_at FROM due_index WHERE job_id = $1",
+                                  job["jobId"])
+    assert states.get("queued", 0) == queued and states.get("skipped", 0) == skipped
+    assert nxt == T0 + timedelta(minutes=11)
+
+
+async def test_nodes_share_the_shards_and_rebalance(schedulers, clock) -> None:
+    a = await schedulers("a")
+    assert len(a.shard_ids) == 256
+    b = await schedulers("b")
+    await tick(a, b)  # a sees two nodes and gives back half; b claims them
+    await tick(b)
+    assert len(a.shard_ids) == len(b.shard_ids) == 128
+    assert not a.shard_ids & b.shard_ids
+    c = await schedulers("c")
+    for _ in range(3):
+        await tick(a, b, c)
+    sizes = sorted(len(n.shard_ids) for n in (a, b, c))
+    assert sizes == [85, 85, 86]
+    assert len(a.shard_ids | b.shard_ids | c.shard_ids) == 256
+
+
+async def advance(clock, seconds: float, *nodes: Scheduler) -> None:
+    """Move time as it really passes: in steps, each node's coordinator renewing its leases."""
+    while seconds > 0:
+        step = min(seconds, 3.0)
+        clock.advance(step)
+        seconds -= step
+        await tick(*nodes)
+
+
+async def tick(*nodes: Scheduler) -> None:
+    """One coordinator pass on each node, in order."""
+    for node in nodes:
+        await node.coordinator.send(Tick())
+        await sync(node.coordinator)
+
+
+async def test_a_dead_nodes_shards_are_taken_over_and_nothing_is_lost(
+        api, schedulers, redis_client, key_prefix, clock) -> None:
+    a = await schedulers("a")
+    b = await schedulers("b")
+    await tick(a, b)
+    await tick(b)
+    jobs = [await submit(api, name=f"j{i}", schedule={"delaySeconds": 5}) for i in range(40)]
+    on_b = [j for j in jobs if shard_of(_uuid(j["jobId"])) in b.shard_ids]
+    assert on_b, "some jobs land on b's shards"
+
+    b.crash()
+    b.crashed = True
+    await advance(clock, 5, a)
+    await a.settle()
+    assert len(await ready(redis_client, key_prefix)) == len(jobs) - len(on_b)
+
+    await advance(clock, 12, a)  # past b's lease and node heartbeat
+    await tick(a)
+    assert len(a.shard_ids) == 256
+    await a.settle()
+    published = await ready(redis_client, key_prefix)
+    assert sorted(e["job_id"] for e in published) == sorted(j["jobId"] for j in jobs)
+
+
+async def test_a_stale_revision_is_fenced_out(api, schedulers, redis_client, key_prefix,
+                                              clock, db) -> None:
+    job = await submit(api, schedule={"delaySeconds": 2})
+    shard = shard_of(_uuid(job["jobId"]))
+    node = await schedulers()
+    await node.settle()
+    # A simulated pause: while this node sleeps, its lease on the shard is taken over.
+    async with db.connection() as conn:
+        await conn.execute("UPDATE shard_leases SET owner = 'thief', revision = revision + 1 "
+                           "WHERE shard_id = $1", shard)
+    clock.advance(2)
+    await node.settle()
+    assert await ready(redis_client, key_prefix) == []
+    async with db.connection() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM executions") == 0
+        assert await conn.fetchval("SELECT count(*) FROM due_index") == 1
+    await sync(node.coordinator)
+    assert shard not in node.shard_ids
+
+
+async def test_notify_puts_a_near_due_job_in_the_heap_before_the_next_load(
+        api, schedulers, redis_client, key_prefix, clock) -> None:
+    node = await schedulers()
+    await node.settle()
+    job = await submit(api, schedule={"delaySeconds": 1})
+    shard = node.shard(shard_of(_uuid(job["jobId"])))
+    await asyncio.wait_for(shard.notified.wait(), timeout=5)
+    clock.advance(1)  # the next load is 2 s after the last one: only the notify can help
+    await node.settle()
+    [entry] = await ready(redis_client, key_prefix)
+    assert entry["job_id"] == job["jobId"]
+    assert node.lag[api.tenant_id].max_s <= 1.0
+
+
+def _uuid(text: str):
+    import uuid
+
+    return uuid.UUID(text)
