@@ -143,6 +143,7 @@ class Supervisor:
         self._tasks: dict[str, asyncio.Task] = {}
         self._current: dict[str, Actor] = {}
         self._entered = False
+        self.restarted = asyncio.Event()  # test signal: set each time an actor is rebuilt
 
     async def __aenter__(self) -> Supervisor:
         await self._group.__aenter__()
@@ -187,6 +188,7 @@ class Supervisor:
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 actor = factory()
                 self._current[key] = actor
+                self.restarted.set()
 
     async def stop(self, key: str, timeout_s: float = 5.0) -> None:
         """Send Stop and wait for the actor to finish; cancel it past the deadline."""

@@ -20,10 +20,8 @@ from herdwick.config import ENV, ConfigError, Settings, from_env
 log = logging.getLogger("herdwick.cli")
 
 NOT_YET = {
-    "scheduler": "the scheduler tier",
     "http-worker": "the http worker pool",
     "worker": "the worker SDK",
-    "loadtest": "the herd simulator",
 }
 
 
@@ -46,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                         "unless URLs are set")
     sub.add_parser("migrate", parents=[config], help="apply migrations (idempotent)")
     sub.add_parser("api", parents=[config], help="the tenants' HTTP gateway")
-    sub.add_parser("scheduler", parents=[config], help="the scheduler tier (not yet implemented)")
+    sub.add_parser("scheduler", parents=[config],
+                   help="shard coordinator, shard actors, dispatch, pool queues")
     sub.add_parser("http-worker", parents=[config],
                    help="the built-in http worker pool (not yet implemented)")
     worker = sub.add_parser("worker", parents=[config],
@@ -67,8 +66,39 @@ def _parser() -> argparse.ArgumentParser:
     cron.add_argument("--count", type=int, default=5)
     cron.add_argument("--jitter", type=int, default=0, metavar="S")
     cron.add_argument("--job-id", default=None, help="seeds jitter and H fields")
-    sub.add_parser("loadtest", help="the herd simulator (not yet implemented)")
+    _loadtest_parser(sub)
     return parser
+
+
+def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
+    loadtest = sub.add_parser("loadtest", help="load generators against this machine")
+    actions = loadtest.add_subparsers(dest="loadtest_command", required=True, metavar="ACTION")
+    submit = actions.add_parser(
+        "submit", help="POST /v1/jobs and /v1/jobs:batch rates, against the raw insert",
+        description="Measures single and batch submits over HTTP and the same inserts "
+                    "straight through asyncpg, in a fresh database it drops afterwards.")
+    submit.add_argument("--clients", type=int, metavar="N",
+                        help="concurrent single-submit clients (and raw connections); default 64")
+    submit.add_argument("--batch-clients", type=int, metavar="C",
+                        help="concurrent batch clients; default 4")
+    submit.add_argument("--batch-size", type=int, metavar="JOBS",
+                        help="jobs per batch request; default 1000")
+    submit.add_argument("--duration", type=float, metavar="S",
+                        help="measured seconds per phase; default 10")
+    submit.add_argument("--warmup", type=float, metavar="S",
+                        help="warm-up seconds before each phase is measured; default 2")
+    submit.add_argument("--phases", metavar="LIST",
+                        help="comma-separated subset of http-single,raw-single,http-batch,"
+                             "raw-batch; default all")
+    submit.add_argument("--api-processes", type=int, metavar="K",
+                        help="herdwick api processes to start on one port; default 1")
+    submit.add_argument("--url", help="target a running API (loopback only) instead")
+    submit.add_argument("--api-key", help="a tenant's API key for --url")
+    submit.add_argument("--database-url", help="Postgres server for the scratch database; "
+                        "default $HERDWICK_DATABASE_URL, else postgres@127.0.0.1:5432")
+    submit.add_argument("--redis-url", help="default $HERDWICK_REDIS_URL, else 127.0.0.1:6379")
+    submit.add_argument("--keep", action="store_true", help="keep the scratch database")
+    submit.add_argument("--json", action="store_true", help="the report as JSON")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -176,6 +206,25 @@ async def _api(settings: Settings) -> int:
     return 0
 
 
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    from loadtest import submit
+
+    return _run(submit.command(args))
+
+
+async def _scheduler(settings: Settings) -> int:
+    from actors.scheduler import Scheduler
+
+    stop = asyncio.Event()
+    _stop_on_signals(stop)
+    node = await Scheduler(settings).start()
+    try:
+        await stop.wait()
+    finally:
+        await node.stop()
+    return 0
+
+
 async def _dev(settings: Settings) -> int:
     from herdwick.dev import run_dev
 
@@ -208,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         "cron": cmd_cron,
         "migrate": _production(_migrate, database_only=True),
         "api": _production(_api),
+        "scheduler": _production(_scheduler),
         "tenant": _production(_tenant_create, database_only=True),
         "dev": lambda a: _run(_dev(_settings(a))),
+        "loadtest": cmd_loadtest,
     }
     try:
         return commands[args.command](args)

@@ -53,8 +53,8 @@ def _banner(settings: Settings, tenant_id: object, api_key: str) -> str:
         f"  API key:      {api_key}",
         f"  postgres:     {settings.database_url}",
         f"  redis:        {settings.redis_url}",
-        "  scheduler and http worker: not yet implemented; jobs are accepted and stored,",
-        "  not yet dispatched.",
+        "  scheduler:    running: due jobs go to their pools' ready streams",
+        "  http worker:  not yet implemented: http targets are queued, not yet delivered",
         "",
         f"  curl -s {url}/v1/jobs -H 'Authorization: Bearer {api_key}' \\",
         f"       -H 'Content-Type: application/json' -d '{example}'",
@@ -63,6 +63,7 @@ def _banner(settings: Settings, tenant_id: object, api_key: str) -> str:
 
 
 async def run_dev(settings: Settings, stop: asyncio.Event) -> int:
+    from actors.scheduler import Scheduler
     from gateway.app import create_app, serve
     from storage import migrate
     from storage.db import Database
@@ -76,9 +77,13 @@ async def run_dev(settings: Settings, stop: asyncio.Event) -> int:
         db = await Database.connect(settings.database_url)
         try:
             tenant_id, api_key = await issue_key_for(db, DEV_TENANT, SystemClock().now())
-            app = create_app(settings, db=db)
-            print(_banner(settings, tenant_id, api_key), file=sys.stdout, flush=True)
-            await serve(app, settings.api_host, settings.api_port, stop)
+            scheduler = await Scheduler(settings).start()
+            try:
+                app = create_app(settings, db=db)
+                print(_banner(settings, tenant_id, api_key), file=sys.stdout, flush=True)
+                await serve(app, settings.api_host, settings.api_port, stop)
+            finally:
+                await scheduler.stop()
         finally:
             await db.close()
     return 0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
 import uuid
 from collections.abc import Callable
 from datetime import datetime
 
+import asyncpg
 import msgspec
 
 from storage.db import Database
@@ -13,6 +16,7 @@ from storage.jobs import due_minute
 from storage.sql import q
 
 LOAD_LIMIT = 50_000
+RETRIES = 3
 
 
 class DueRow(msgspec.Struct, frozen=True):
@@ -109,7 +113,26 @@ def _claimed(row) -> Claimed:
 
 async def dispatch(db: Database, node_id: str, revisions: dict[int, int], keys: list[DueKey],
                    now: datetime | None, plan: Callable[[list[Claimed]], Plan]) -> Dispatched:
-    """One fenced transaction: claim the due rows of held shards, write `plan(claimed)`."""
+    """One fenced transaction: claim the due rows of held shards, write `plan(claimed)`.
+
+    Keys are claimed in primary-key order, so two transactions over
+    overlapping rows lock them in the same order; a deadlock that happens
+    anyway (or a serialization failure) is retried, bounded and jittered.
+    """
+    keys = sorted(keys, key=lambda k: (k.shard_id, k.next_run_at, k.job_id))
+    for attempt in range(1, RETRIES + 1):
+        try:
+            return await _dispatch_once(db, node_id, revisions, keys, now, plan)
+        except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError):
+            if attempt == RETRIES:
+                raise
+            await asyncio.sleep(random.uniform(0.005, 0.05) * attempt)
+    raise AssertionError("unreachable")
+
+
+async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
+                         keys: list[DueKey], now: datetime | None,
+                         plan: Callable[[list[Claimed]], Plan]) -> Dispatched:
     shards = sorted(revisions)
     async with db.transaction() as conn:
         rows = await conn.fetch(

@@ -40,7 +40,8 @@ async def claim(db: Database, node_id: str, count: int, lease_s: float,
         return []
     async with db.connection() as conn:
         rows = await conn.fetch(q("claim_shards"), node_id, lease_s, count, now)
-    return sorted((Lease(r["shard_id"], r["revision"]) for r in rows), key=lambda lease: lease.shard_id)
+    leases = [Lease(r["shard_id"], r["revision"]) for r in rows]
+    return sorted(leases, key=lambda lease: lease.shard_id)
 
 
 async def renew(db: Database, node_id: str, leases: list[Lease], lease_s: float,

@@ -227,3 +227,15 @@ def _uuid(text: str):
     import uuid
 
     return uuid.UUID(text)
+
+
+async def test_a_clean_stop_hands_the_shards_over_at_once(schedulers, clock) -> None:
+    a = await schedulers("a")
+    b = await schedulers("b")
+    await tick(a, b)
+    await tick(b)
+    assert len(b.shard_ids) == 128
+    await a.stop()
+    a.crashed = True  # already stopped: the fixture must not stop it twice
+    await tick(b)  # no lease expiry to wait for: a released its shards and left
+    assert len(b.shard_ids) == 256

@@ -1,0 +1,90 @@
+"""The actor kernel: one message at a time, bounded mailboxes, restart after a crash."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.base import Actor, Supervisor, Tick, sync
+
+
+class Recorder(Actor):
+    name = "recorder"
+
+    def __init__(self, log: list, crash_on: object = None, gate: asyncio.Event | None = None):
+        super().__init__(mailbox_size=2)
+        self.log = log
+        self.crash_on = crash_on
+        self.gate = gate
+        self.busy = False
+
+    async def handle(self, msg: object | None) -> None:
+        assert not self.busy, "two messages handled at once"
+        self.busy = True
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            if msg == self.crash_on:
+                raise RuntimeError("boom")
+            self.log.append(msg)
+        finally:
+            self.busy = False
+
+
+async def test_messages_are_handled_in_order_one_at_a_time() -> None:
+    log: list = []
+    async with Supervisor() as sup:
+        actor = await sup.start("r", lambda: Recorder(log))
+        for i in range(10):
+            await actor.send(i)
+        await sync(actor)
+    assert log == list(range(10))
+
+
+async def test_a_full_mailbox_makes_senders_wait() -> None:
+    gate = asyncio.Event()
+    async with Supervisor() as sup:
+        actor = await sup.start("r", lambda: Recorder([], gate=gate))
+        for i in range(3):  # one in hand, two in the mailbox
+            await actor.send(i)
+        blocked = asyncio.create_task(actor.send(99))
+        await asyncio.sleep(0)
+        assert not blocked.done()
+        assert actor.try_send(100) is False
+        gate.set()
+        await asyncio.wait_for(blocked, timeout=5)
+
+
+async def test_a_crashed_actor_is_restarted_fresh(caplog: pytest.LogCaptureFixture) -> None:
+    logs: list[list] = []
+
+    def factory() -> Recorder:
+        logs.append([])
+        return Recorder(logs[-1], crash_on="poison")
+
+    async with Supervisor() as sup:
+        first = await sup.start("r", factory)
+        await first.send("a")
+        await first.send("poison")
+        await asyncio.wait_for(sup.restarted.wait(), timeout=5)
+        second = sup.actor("r")
+        assert second is not first
+        await second.send("b")
+        await sync(second)
+    assert logs == [["a"], ["b"]]
+    assert "event=actor_crashed actor=r" in caplog.text
+
+
+async def test_stop_lets_the_message_in_hand_finish() -> None:
+    gate = asyncio.Event()
+    log: list = []
+    async with Supervisor() as sup:
+        actor = await sup.start("r", lambda: Recorder(log, gate=gate))
+        await actor.send(Tick())
+        stopping = asyncio.create_task(sup.stop("r"))
+        await asyncio.sleep(0)
+        gate.set()
+        await stopping
+    assert log == [Tick()]
+    assert actor.stopped
