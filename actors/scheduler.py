@@ -23,6 +23,8 @@ import redis.asyncio as aioredis
 from actors.base import Supervisor, Tick, every, sync
 from actors.coordinator import RENEW_INTERVAL_S, Coordinator
 from actors.dispatcher import DispatchActor
+from actors.maintenance import INTERVAL_S as MAINTENANCE_INTERVAL_S
+from actors.maintenance import Maintenance
 from actors.messages import LeaseLost, NotifyDue, Publish
 from actors.poolqueue import PoolQueue
 from actors.shard import ShardActor
@@ -88,9 +90,13 @@ class Scheduler:
                                        shards=self._shards, make_shard=self._make_shard,
                                        db_now=self._db_now)
         await self._core.start("coordinator", lambda: self.coordinator)
+        self.maintenance = Maintenance(db=self.db, clock=self.clock)
+        await self._core.start("maintenance", lambda: self.maintenance)
         if self._tick:
             self._tasks.append(asyncio.create_task(
                 every(RENEW_INTERVAL_S, lambda: self.coordinator.send(Tick()))))
+            self._tasks.append(asyncio.create_task(
+                every(MAINTENANCE_INTERVAL_S, lambda: self.maintenance.send(Tick()))))
         self._tasks.append(asyncio.create_task(self._listen_notify(client)))
         log.info("event=scheduler_started node=%s shards=%d", self.node_id,
                  len(self.coordinator.leases))

@@ -239,3 +239,17 @@ async def test_a_clean_stop_hands_the_shards_over_at_once(schedulers, clock) -> 
     a.crashed = True  # already stopped: the fixture must not stop it twice
     await tick(b)  # no lease expiry to wait for: a released its shards and left
     assert len(b.shard_ids) == 256
+
+
+async def test_maintenance_creates_partitions_ahead_and_drops_expired_keys(
+        api, schedulers, clock, db) -> None:
+    await api.submit(make_job(), **{"Idempotency-Key": "old"})
+    clock.advance(30 * 24 * 3600)  # a month on: the key expired, new days need partitions
+    node = await schedulers()
+    await sync(node.maintenance)
+    day = clock.now().date()
+    async with db.connection() as conn:
+        for offset in range(-1, 8):
+            name = f"executions_{(day + timedelta(days=offset)):%Y%m%d}"
+            assert await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", name), name
+        assert await conn.fetchval("SELECT count(*) FROM idempotency_keys") == 0
