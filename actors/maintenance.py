@@ -9,12 +9,11 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+from actors.base import Actor, Tick
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
 from storage import maintenance as store
 from storage.db import Database
-
-from actors.base import Actor, Tick
 
 log = logging.getLogger("herdwick.maintenance")
 

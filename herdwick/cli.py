@@ -78,7 +78,9 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
         description="Measures single and batch submits over HTTP and the same inserts "
                     "straight through asyncpg, in a fresh database it drops afterwards.")
     submit.add_argument("--clients", type=int, metavar="N",
-                        help="concurrent single-submit clients (and raw connections); default 64")
+                        help="concurrent single-submit clients; default 64")
+    submit.add_argument("--raw-clients", type=int, metavar="N",
+                        help="connections of the raw single-insert baseline; default --clients")
     submit.add_argument("--batch-clients", type=int, metavar="C",
                         help="concurrent batch clients; default 4")
     submit.add_argument("--batch-size", type=int, metavar="JOBS",

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+
 import pytest
 
 from actors.base import Tick, sync
