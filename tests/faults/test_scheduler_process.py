@@ -1,4 +1,4 @@
-"""`herdwick scheduler` as a real process: SIGTERM releases its shards, SIGKILL leaves them to expire."""
+"""`herdwick scheduler` as a real process: SIGTERM releases its shards, SIGKILL does not."""
 
 from __future__ import annotations
 
