@@ -13,14 +13,15 @@ Times are integer milliseconds of this server's clock.
 
 local LIBRARY_VERSION = '1'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
-local PUBLISH_FIELDS = 8
+local PUBLISH_FIELDS = 10
 
 --[[
 hw_publish  KEYS[1] = P:{pool}
-            ARGV = groups of 8, one per execution:
+            ARGV = groups of 10, one per execution:
                    execution_id, attempt (decimal, from 1), job_id, tenant_id,
                    scheduled_for (RFC 3339 UTC), payload (JSON text),
-                   timeout_seconds, idempotency_key
+                   timeout_seconds, idempotency_key, max_attempts, backoff_ms
+                   (the last two stay in hot state, for hw_fail; not on the stream)
 Writes each execution's hot state and XADDs it to P:{pool}:ready, unless
 that attempt (or a later one) was published already: republishing is a
 no-op, so a scheduler may retry a batch safely.
@@ -31,7 +32,7 @@ local function hw_publish(keys, args)
   local ready = base .. ':ready'
   local added = 0
   if #args % PUBLISH_FIELDS ~= 0 then
-    return redis.error_reply('ERR hw_publish takes groups of 8 arguments')
+    return redis.error_reply('ERR hw_publish takes groups of 10 arguments')
   end
   for i = 1, #args, PUBLISH_FIELDS do
     local execution_id, attempt = args[i], args[i + 1]
@@ -40,7 +41,8 @@ local function hw_publish(keys, args)
     if current < tonumber(attempt) then
       redis.call('HSET', hot, 'attempt', attempt, 'state', 'ready', 'job_id', args[i + 2],
                  'tenant_id', args[i + 3], 'scheduled_for', args[i + 4],
-                 'timeout_seconds', args[i + 6])
+                 'timeout_seconds', args[i + 6], 'max_attempts', args[i + 8],
+                 'backoff_ms', args[i + 9])
       redis.call('PEXPIRE', hot, HOT_TTL_MS)
       redis.call('XADD', ready, '*',
                  'execution_id', execution_id, 'job_id', args[i + 2], 'tenant_id', args[i + 3],

@@ -42,6 +42,8 @@ class Claimed(msgspec.Struct, frozen=True, kw_only=True):
     schedule: str
     timeout_s: int
     state: str
+    max_attempts: int
+    backoff_s: float
 
 
 class NewExecution(msgspec.Struct, frozen=True):
@@ -108,7 +110,8 @@ def _claimed(row) -> Claimed:
                    scheduled_for=row["scheduled_for"], attempt=row["attempt"],
                    tenant_id=row["tenant_id"], pool=row["pool"],
                    payload=row["payload"], schedule=row["schedule"],
-                   timeout_s=row["timeout_s"], state=row["state"])
+                   timeout_s=row["timeout_s"], state=row["state"],
+                   max_attempts=row["max_attempts"], backoff_s=row["backoff_s"])
 
 
 async def dispatch(db: Database, node_id: str, revisions: dict[int, int], keys: list[DueKey],

@@ -31,6 +31,8 @@ class ReadyExecution(msgspec.Struct, frozen=True, kw_only=True):
     scheduled_for: str  # RFC 3339 UTC
     payload: str  # JSON text
     timeout_seconds: int
+    max_attempts: int = 5  # hot state only (hw_fail decides retry or dead), not on the stream
+    backoff_ms: int = 10_000
 
     @property
     def idempotency_key(self) -> str:
@@ -39,7 +41,7 @@ class ReadyExecution(msgspec.Struct, frozen=True, kw_only=True):
     def args(self) -> list[str]:
         return [self.execution_id, str(self.attempt), self.job_id, self.tenant_id,
                 self.scheduled_for, self.payload, str(self.timeout_seconds),
-                self.idempotency_key]
+                self.idempotency_key, str(self.max_attempts), str(self.backoff_ms)]
 
 
 class NotifyMessage(msgspec.Struct, frozen=True, array_like=True):

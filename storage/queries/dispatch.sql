@@ -34,7 +34,7 @@ WITH held AS (
 SELECT (SELECT coalesce(array_agg(shard_id), '{}') FROM held) AS held,
        c.shard_id, c.next_run_at, c.job_id, c.execution_id, c.scheduled_for, c.attempt,
        j.tenant_id, j.pool, j.payload::text AS payload, j.schedule::text AS schedule,
-       j.timeout_s, j.state
+       j.timeout_s, j.state, j.max_attempts, j.backoff_s
 FROM (SELECT 1) AS one
 LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id) ON true;
 
