@@ -47,15 +47,19 @@ def plan(claimed: list[Claimed], now: datetime) -> Plan:
     - a cron occurrence follows its misfire policy when it is late (skip: the
       latest missed runs, the rest are recorded as skipped; catch_up: each,
       at most 100), and with overlap allow/replace its next occurrence goes
-      into the due index now (forbid waits for completion).
-    Rows of jobs no longer active dispatch nothing.
+      into the due index now (forbid waits for completion); with replace it
+      also cancels the job's still-unfinished earlier occurrences.
+    New occurrences of jobs no longer active dispatch nothing.
     """
     out = Plan(executions=[], next_due=[], job_next=[], retries=[])
     for row in claimed:
-        if row.state != "active":
-            continue
         if row.execution_id is not None:
-            out.retries.append(Retry(row.execution_id, row.scheduled_for, row.attempt))
+            # A retry, replay or trigger of an execution: held back only by a pause or cancel
+            # (a one-off whose execution went dead is completed, and may be replayed).
+            if row.state not in ("paused", "canceled"):
+                out.retries.append(Retry(row.execution_id, row.scheduled_for, row.attempt))
+            continue
+        if row.state != "active":
             continue
         schedule = _schedule_decoder.decode(row.schedule)
         if schedule.cron is None:
@@ -79,6 +83,8 @@ def _plan_cron(out: Plan, row: Claimed, schedule: Schedule, now: datetime) -> No
             to_run = [row.next_run_at]
     out.executions += [_execution(row, t, "queued", now) for t in to_run]
     out.executions += [_execution(row, t, "skipped", now) for t in skipped]
+    if schedule.overlap == "replace":
+        out.replace.append((row.job_id, to_run[-1]))
     after = max(now, to_run[-1])
     following = sched.next_fire_times(schedule, after, 1, job_id=row.job_id)
     nxt = following[0] if following else None
@@ -111,12 +117,14 @@ class DispatchActor(Actor):
     def __init__(self, *, db: Database, node_id: str, clock: Clock,
                  publish: Callable[[str, Publish], Awaitable[None]],
                  lease_lost: Callable[[LeaseLost], Awaitable[None]],
+                 cancel: Callable[[str, str], Awaitable[None]] | None = None,
                  db_now: bool = False) -> None:
         super().__init__(clock=clock)
         self._db = db
         self._node_id = node_id
         self._publish = publish
         self._lease_lost = lease_lost
+        self._cancel = cancel
         # True: leases are checked against the database clock (production);
         # False: against the injected clock (tests move time).
         self._db_now = db_now
@@ -145,6 +153,10 @@ class DispatchActor(Actor):
             await self._lease_lost(LeaseLost(lost))
         for pool, publish in ready_executions(result).items():
             await self._publish(pool, publish)
+        if result.replaced and self._cancel is not None:
+            pools = {c.job_id: c.pool for c in result.claimed}
+            for execution_id, job_id in result.replaced:
+                await self._cancel(pools[job_id], str(execution_id))
         self.dispatched += len(result.queued)
         return result
 

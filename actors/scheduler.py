@@ -23,21 +23,29 @@ import redis.asyncio as aioredis
 from actors.base import Supervisor, Tick, every, sync
 from actors.coordinator import RENEW_INTERVAL_S, Coordinator
 from actors.dispatcher import DispatchActor
+from actors.executions import ExecutionEvents
 from actors.maintenance import INTERVAL_S as MAINTENANCE_INTERVAL_S
 from actors.maintenance import Maintenance
 from actors.messages import LeaseLost, NotifyDue, Publish
 from actors.poolqueue import PoolQueue
+from actors.reaper import INTERVAL_S as REAPER_INTERVAL_S
+from actors.reaper import Reaper
 from actors.shard import ShardActor
+from actors.sweeper import INTERVAL_S as SWEEPER_INTERVAL_S
+from actors.sweeper import Sweeper
 from herdwick.clock import Clock, SystemClock
 from herdwick.config import Settings
+from herdwick.errors import StorageUnavailable
 from herdwick.metrics import Histogram
 from storage import keys, migrate
 from storage.db import Database
 from storage.hot import HotTier, decode_notify
+from storage.protocol import Protocol
 
 log = logging.getLogger("herdwick.scheduler")
 
 DISPATCH_ACTORS = 2
+POOLS_REFRESH_S = 5.0
 DB_POOL_MAX = 16
 
 
@@ -83,7 +91,7 @@ class Scheduler:
         for i in range(self._dispatch_count):
             actor = DispatchActor(db=self.db, node_id=self.node_id, clock=self.clock,
                                   publish=self._publish, lease_lost=self._lease_lost,
-                                  db_now=self._db_now)
+                                  cancel=self._cancel_execution, db_now=self._db_now)
             self.dispatchers.append(actor)
             await self._core.start(f"dispatch-{i}", lambda a=actor: a, restart=True)
         self.coordinator = Coordinator(self.node_id, db=self.db, clock=self.clock,
@@ -92,15 +100,31 @@ class Scheduler:
         await self._core.start("coordinator", lambda: self.coordinator)
         self.maintenance = Maintenance(db=self.db, clock=self.clock)
         await self._core.start("maintenance", lambda: self.maintenance)
+        await self._start_execution_tier(client)
         if self._tick:
-            self._tasks.append(asyncio.create_task(
-                every(RENEW_INTERVAL_S, lambda: self.coordinator.send(Tick()))))
-            self._tasks.append(asyncio.create_task(
-                every(MAINTENANCE_INTERVAL_S, lambda: self.maintenance.send(Tick()))))
+            for interval_s, actor in ((RENEW_INTERVAL_S, self.coordinator),
+                                      (MAINTENANCE_INTERVAL_S, self.maintenance),
+                                      (REAPER_INTERVAL_S, self.reaper),
+                                      (SWEEPER_INTERVAL_S, self.sweeper),
+                                      (POOLS_REFRESH_S, self.events)):
+                self._tasks.append(asyncio.create_task(
+                    every(interval_s, lambda a=actor: a.send(Tick()))))
         self._tasks.append(asyncio.create_task(self._listen_notify(client)))
         log.info("event=scheduler_started node=%s shards=%d", self.node_id,
                  len(self.coordinator.leases))
         return self
+
+    async def _start_execution_tier(self, client: aioredis.Redis) -> None:
+        self.protocol = protocol = Protocol(client, self.settings.key_prefix)
+        self.events = ExecutionEvents(db=self.db, hot=self.hot, protocol=protocol,
+                                      node_id=self.node_id, clock=self.clock,
+                                      db_now=self._db_now)
+        self.reaper = Reaper(hot=self.hot, protocol=protocol, clock=self.clock)
+        self.sweeper = Sweeper(db=self.db, hot=self.hot, clock=self.clock,
+                               publish=self._publish, db_now=self._db_now)
+        await self._core.start("execution-events", lambda: self.events)
+        await self._core.start("reaper", lambda: self.reaper)
+        await self._core.start("sweeper", lambda: self.sweeper)
 
     def _make_shard(self, shard_id: int, revision: int) -> ShardActor:
         dispatcher = self.dispatchers[shard_id % len(self.dispatchers)]
@@ -122,6 +146,14 @@ class Scheduler:
             await self._core.start(f"pool-{pool}", lambda: queue)
         await queue.send(publish)
 
+    async def _cancel_execution(self, pool: str, execution_id: str) -> None:
+        try:
+            await self.protocol.cancel(pool, execution_id)
+        except StorageUnavailable as exc:
+            # Canceled in Postgres already: its events are fenced out; the worker
+            # learns at its lease's end at the latest.
+            log.warning("event=cancel_failed execution=%s error=%s", execution_id, exc)
+
     async def _lease_lost(self, lost: LeaseLost) -> None:
         await self.coordinator.send(lost)
 
@@ -140,6 +172,15 @@ class Scheduler:
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()
+
+    async def settle_events(self) -> int:
+        """Test signal: apply what is on the events streams now; returns how many events."""
+        await sync(self.events)
+        await self.events.refresh_pools()
+        total = 0
+        while applied := await self.events.run_once():
+            total += applied
+        return total
 
     async def settle(self) -> None:
         """Test signal: every shard has handled a Tick, and all that followed has flushed."""

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from gateway.context import CTX, Ctx
 from gateway.jobs import BATCH_BODY_CAP
-from gateway.notify import notifier
+from gateway.notify import canceller, notifier
 from gateway.openapi import DOCUMENT, document, openapi
 from gateway.problems import problem_middleware
 from gateway.routes import register
@@ -20,6 +20,7 @@ from herdwick.config import Settings
 from storage import migrate
 from storage.db import Database
 from storage.hot import HotTier
+from storage.protocol import Protocol
 
 log = logging.getLogger("herdwick.gateway")
 
@@ -43,7 +44,8 @@ def create_app(settings: Settings, *, clock: Clock | None = None, db: Database |
             ctx = Ctx(settings=settings, clock=the_clock, db=database, redis=client,
                       http_allow=settings.http_allow_networks)
             if client is not None:
-                ctx.after_submit = notifier(HotTier(client, settings.key_prefix), the_clock)
+                ctx.notify_due = notifier(HotTier(client, settings.key_prefix), the_clock)
+                ctx.cancel_running = canceller(Protocol(client, settings.key_prefix))
             app[CTX] = ctx
             yield
         finally:

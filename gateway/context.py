@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -16,7 +18,11 @@ from storage.db import Database
 from storage.jobs import NewJob
 
 
-async def _nothing(jobs: list[NewJob]) -> None:
+async def _nothing(due: list[tuple[int, uuid.UUID, datetime]]) -> None:
+    return None
+
+
+async def _no_workers(pool: str, execution_ids: list[uuid.UUID]) -> None:
     return None
 
 
@@ -28,8 +34,14 @@ class Ctx:
     redis: aioredis.Redis | None
     http_allow: tuple[Network, ...]
     keys: KeyCache = field(default_factory=KeyCache)
-    # Called after a submit commits; the scheduler tier hooks its near-due notify here.
-    after_submit: Callable[[list[NewJob]], Awaitable[None]] = _nothing
+    # Called after a commit that made something due (submit, trigger, replay) with
+    # (shard_id, job_id, due time): the near-due notify to the shard owners.
+    notify_due: Callable[[list[tuple[int, uuid.UUID, datetime]]], Awaitable[None]] = _nothing
+
+    async def after_submit(self, jobs: list[NewJob]) -> None:
+        await self.notify_due([(j.shard_id, j.job_id, j.next_run_at) for j in jobs])
+    # Called after a cancel commits: tells the workers holding those executions (LEASE_LOST).
+    cancel_running: Callable[[str, list[uuid.UUID]], Awaitable[None]] = _no_workers
 
     @staticmethod
     def of(request: web.Request) -> Ctx:

@@ -13,7 +13,7 @@ from gateway.body import read_json_body
 from gateway.context import Ctx
 from gateway.decoding import decode, decode_collecting
 from gateway.problems import bad_field, invalid
-from gateway.submit import HERD_WARN_JOBS, herd_second, herd_warning, prepare
+from gateway.submit import HERD_WARN_JOBS, HTTP_POOL, herd_second, herd_warning, prepare
 from herdwick import schedule as sched
 from herdwick.errors import Conflict, IdempotencyKeyReused, InvalidInput
 from herdwick.ids import shard_of
@@ -227,14 +227,22 @@ def resume_time(schedule: Schedule, job: Job, now):
 def _cancel(job: Job, schedule: Schedule) -> Transition | None:
     if job.state in ("canceled", "completed"):
         return None
-    return Transition(state="canceled", next_run_at=None, clear_due="all")
+    return Transition(state="canceled", next_run_at=None, clear_due="all",
+                      cancel_executions=True)
 
 
 async def _transition(request: web.Request, decide) -> Job:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    return await store.transition_job(ctx.db, owner.tenant_id, _job_id(request),
-                                      ctx.clock.now(), decide)
+    job, canceled = await store.transition_job(ctx.db, owner.tenant_id, _job_id(request),
+                                               ctx.clock.now(), decide)
+    if canceled:
+        await ctx.cancel_running(pool_of(job), canceled)
+    return job
+
+
+def pool_of(job: Job) -> str:
+    return job.target.ref if job.target.type == "queue" else HTTP_POOL
 
 
 async def pause_job(request: web.Request) -> web.Response:

@@ -1,15 +1,22 @@
-"""After a submit commits: tell the shard owners about jobs due before their next load."""
+"""What the gateway tells the hot tier after a commit.
+
+After a submit: the shard owners, about jobs due before their next load.
+After a cancel: the workers holding its executions (LEASE_LOST on their next call).
+Both are best effort; Postgres already holds the truth.
+"""
 
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import UTC, datetime, timedelta
 
 from redis.exceptions import RedisError
 
 from herdwick.clock import Clock
+from herdwick.errors import StorageUnavailable
 from storage.hot import HotTier, NotifyMessage
-from storage.jobs import NewJob
+from storage.protocol import Protocol
 
 log = logging.getLogger("herdwick.gateway")
 
@@ -25,13 +32,26 @@ def _us(when: datetime) -> int:
 
 
 def notifier(hot: HotTier, clock: Clock):
-    async def after_submit(jobs: list[NewJob]) -> None:
+    """`notify(due)` for (shard_id, job_id, due time) triples; only the near-due are sent."""
+    async def notify(due: list[tuple[int, uuid.UUID, datetime]]) -> None:
         horizon = clock.now() + NEAR_DUE
-        near = [NotifyMessage(j.shard_id, str(j.job_id), _us(j.next_run_at))
-                for j in jobs if j.next_run_at <= horizon]
+        near = [NotifyMessage(shard, str(job_id), _us(when))
+                for shard, job_id, when in due if when <= horizon]
         try:
             await hot.notify(near)
         except (RedisError, OSError) as exc:
-            # The job is committed; the shard's next load picks it up.
+            # Committed already; the shard's next load picks it up.
             log.warning("event=notify_failed count=%d error=%s", len(near), exc)
-    return after_submit
+    return notify
+
+
+def canceller(protocol: Protocol):
+    async def cancel_running(pool: str, execution_ids) -> None:
+        try:
+            for execution_id in execution_ids:
+                await protocol.cancel(pool, str(execution_id))
+        except (StorageUnavailable, RedisError, OSError) as exc:
+            # Postgres has them canceled: their events are fenced out, and the
+            # worker learns at its lease's end at the latest.
+            log.warning("event=cancel_notify_failed pool=%s error=%s", pool, exc)
+    return cancel_running

@@ -8,9 +8,11 @@ from typing import Literal, NamedTuple
 
 from aiohttp import web
 
-from gateway import health, jobs, tenants
+from gateway import executions, health, jobs, tenants
 from herdwick.model import (
     BatchCreated,
+    Execution,
+    ExecutionPage,
     Job,
     JobBatch,
     JobCreated,
@@ -21,6 +23,7 @@ from herdwick.model import (
     TenantCreated,
     TenantPatch,
     TenantSpec,
+    Triggered,
 )
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -71,6 +74,21 @@ ROUTES: tuple[Route, ...] = (
           errors=(401, 404, 503)),
     Route("DELETE", "/v1/jobs/{jobId}", jobs.cancel_job, "Cancel a job (idempotent)", "tenant",
           ok=(204, None), errors=(401, 404, 503)),
+    Route("POST", "/v1/jobs/{jobId}:trigger", executions.trigger_job,
+          "Run a job once now, outside its schedule", "tenant", ok=(202, Triggered),
+          errors=(401, 404, 409, 503)),
+    Route("GET", "/v1/jobs/{jobId}/executions", executions.job_executions,
+          "A job's executions, newest first", "tenant", ok=(200, ExecutionPage),
+          errors=(401, 404, 422, 503), query=_LIST_QUERY),
+    Route("POST", "/v1/executions/{executionId}:retry", executions.retry_execution,
+          "Replay a dead execution with its next attempt", "tenant", ok=(202, None),
+          errors=(401, 404, 409, 503)),
+    Route("GET", "/v1/executions/{executionId}", executions.get_execution,
+          "An execution with every attempt", "tenant", ok=(200, Execution),
+          errors=(401, 404, 503)),
+    Route("GET", "/v1/dead-letters", executions.dead_letters,
+          "Dead executions, newest first", "tenant", ok=(200, ExecutionPage),
+          errors=(401, 422, 503), query=_LIST_QUERY),
     Route("POST", "/v1/tenants", tenants.create_tenant, "Create a tenant", "admin", TenantSpec,
           (201, TenantCreated), (400, 401, 403, 415, 422, 503)),
     Route("POST", "/v1/tenants/{tenantId}:rotate-secret", tenants.rotate_secret,

@@ -226,3 +226,51 @@ class Problem(msgspec.Struct, kw_only=True):
     status: int
     detail: str
     errors: list[FieldError] = []
+
+
+# --- executions -----------------------------------------------------------------
+
+
+class ExecutionSummary(msgspec.Struct, kw_only=True, rename="camel"):
+    execution_id: uuid.UUID
+    job_id: uuid.UUID
+    scheduled_for: datetime
+    attempt: int
+    state: ExecutionState
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: msgspec.Raw | None = None
+
+
+class ExecutionPage(msgspec.Struct, kw_only=True, rename="camel"):
+    items: list[ExecutionSummary]
+    next_cursor: str | None
+
+
+class Attempt(msgspec.Struct, kw_only=True, rename="camel"):
+    attempt: int
+    worker_id: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    outcome: str | None
+    error: msgspec.Raw | None = None
+
+
+class Execution(msgspec.Struct, kw_only=True, rename="camel"):
+    """One execution with every attempt it took."""
+
+    execution_id: uuid.UUID
+    job_id: uuid.UUID
+    scheduled_for: datetime
+    attempt: int
+    state: ExecutionState
+    queued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: msgspec.Raw | None = None
+    result: msgspec.Raw | None = None
+    attempts: list[Attempt] = []
+
+
+class Triggered(msgspec.Struct, kw_only=True, rename="camel"):
+    execution_id: uuid.UUID

@@ -7,12 +7,39 @@ Every call takes one key, the pool's key base `P:{pool}` (P = key prefix; the
 braces are a Redis Cluster hash tag, so every key derived from it lives in
 the pool's slot). Derived keys:
   base..':ready'     stream of executions ready to lease (consumer group `workers`)
-  base..':x:'..id    hash: hot state of execution `id` (attempt, state, ...)
-Times are integer milliseconds of this server's clock.
+  base..':x:'..id    hash: hot state of execution `id`: attempt, state, job_id,
+                     tenant_id, scheduled_for, timeout_seconds, max_attempts,
+                     backoff_ms (from hw_publish); lease_owner, lease_until (ms)
+                     and retry_at (ms) from the lease functions. The lease
+                     fields mean something only while state is `leased`.
+  base..':leases'    sorted set: execution id, scored by lease_until (ms), for hw_expire
+  base..':events'    stream of what happened, read by the scheduler's event actor
+States: ready (published), leased, retry_wait, dead, done, canceled.
+Times are integer milliseconds of this server's clock (TIME), the one clock
+that workers and schedulers agree on.
+
+The attempt is the fencing token: a worker call whose attempt is not the
+current one, whose lease lapsed, or that another worker holds, answers
+LEASE_LOST and changes nothing.
+
+Every events entry has the string fields type, execution_id, attempt, job_id,
+tenant_id, scheduled_for, worker_id, at_ms, and by type:
+  leased     lease_until_ms
+  completed  result (JSON text as the worker gave it)
+  failed     error (JSON text), retryable ('0'|'1'), outcome ('retry'|'dead'),
+             retry_at_ms (only when outcome is retry)
+  expired    as failed; error {"message":"lease expired"}, retryable '1',
+             worker_id the owner whose lease lapsed
+  canceled   nothing more (worker_id is the holder's, '' if none)
 ]]
 
-local LIBRARY_VERSION = '1'
+local LIBRARY_VERSION = '2'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
+-- done, dead and canceled hashes linger this long so a late duplicate call
+-- still meets its execution (and gets LEASE_LOST), then they go.
+local TERMINAL_TTL_MS = 3600 * 1000
+local RETRY_CAP_MS = 3600 * 1000
+local EXPIRED_ERROR = '{"message":"lease expired"}'
 local PUBLISH_FIELDS = 10
 
 --[[
@@ -24,7 +51,8 @@ hw_publish  KEYS[1] = P:{pool}
                    (the last two stay in hot state, for hw_fail; not on the stream)
 Writes each execution's hot state and XADDs it to P:{pool}:ready, unless
 that attempt (or a later one) was published already: republishing is a
-no-op, so a scheduler may retry a batch safely.
+no-op, so a scheduler may retry a batch safely, and a done or canceled
+attempt is never revived by a late publish of itself.
 Returns the number of executions added to the stream.
 ]]
 local function hw_publish(keys, args)
@@ -62,6 +90,331 @@ local function hw_version(keys, args)
   return LIBRARY_VERSION
 end
 
+-- Shared by the worker-protocol functions below ------------------------------
+
+local LEASE_LOST = {ok = 'LEASE_LOST'}  -- status replies, as redis.status_reply builds them
+local OK = {ok = 'OK'}
+local DEAD = {ok = 'DEAD'}
+local HOT_FIELDS = {'attempt', 'state', 'lease_owner', 'lease_until', 'job_id', 'tenant_id',
+                    'scheduled_for', 'max_attempts', 'backoff_ms'}
+
+-- A malformed argument is the caller's bug, not a lost lease: an error reply.
+local function bad_arg(fn, what)
+  error({err = 'ERR ' .. fn .. ': ' .. what})
+end
+
+local function int_arg(fn, name, value)
+  local n = tonumber(value)
+  if not n or n ~= math.floor(n) then
+    bad_arg(fn, name .. ' must be an integer')
+  end
+  return n
+end
+
+-- Seconds, decimals allowed (tests lease for a fraction of a second); > 0.
+local function lease_ms_arg(fn, value)
+  local s = tonumber(value)
+  if not s or s <= 0 then
+    bad_arg(fn, 'lease_seconds must be a positive number')
+  end
+  return math.max(1, math.floor(s * 1000))
+end
+
+local function worker_arg(fn, value)
+  if not value or value == '' then
+    bad_arg(fn, 'worker_id must not be empty')
+  end
+  return value
+end
+
+-- Server time: milliseconds, and the microseconds of the second (for jitter).
+local function now_ms()
+  local t = redis.call('TIME')
+  local us = tonumber(t[2])
+  return tonumber(t[1]) * 1000 + math.floor(us / 1000), us
+end
+
+-- Lua numbers are doubles; '%d' writes millisecond times without an exponent.
+local function fmt(n)
+  return string.format('%d', n)
+end
+
+-- The execution's hot state as a table (absent fields false), or nil if unknown.
+local function load_hot(hot)
+  local values = redis.call('HMGET', hot, unpack(HOT_FIELDS))
+  if not values[1] then
+    return nil
+  end
+  local h = {}
+  for i, field in ipairs(HOT_FIELDS) do
+    h[field] = values[i]
+  end
+  return h
+end
+
+-- Does worker_id hold a live lease on this attempt?
+local function holds(h, attempt, worker_id, now)
+  return h ~= nil and tonumber(h.attempt) == attempt and h.state == 'leased'
+         and h.lease_owner == worker_id and (tonumber(h.lease_until) or 0) > now
+end
+
+local function emit(base, kind, execution_id, h, worker_id, now, extra)
+  local fields = {'type', kind, 'execution_id', execution_id, 'attempt', h.attempt,
+                  'job_id', h.job_id or '', 'tenant_id', h.tenant_id or '',
+                  'scheduled_for', h.scheduled_for or '', 'worker_id', worker_id or '',
+                  'at_ms', fmt(now)}
+  for _, v in ipairs(extra) do
+    fields[#fields + 1] = v
+  end
+  redis.call('XADD', base .. ':events', '*', unpack(fields))
+end
+
+--[[
+Jitter without math.random: Redis seeds math.random the same way for every
+call, so a herd failing together would retry together. Instead mix the
+microseconds of TIME with a cheap hash of the execution id (31-multiplier
+string hash, then Knuth's multiplicative constant on the microseconds):
+executions failing in the same call get different delays through the id,
+one execution's successive attempts through the clock. Not cryptographic;
+it only spreads retries. Every product stays below 2^53, exact in a double.
+]]
+local function jitter(execution_id, us)
+  local h = 0
+  for i = 1, #execution_id do
+    h = (h * 31 + string.byte(execution_id, i)) % 4294967296
+  end
+  return (h + us * 2654435761) % 4294967296
+end
+
+-- Delay before attempt + 1: uniform in [d/2, d], d = backoff_ms * 2^(attempt-1)
+-- capped at RETRY_CAP_MS (the cap applies to d, before the jitter).
+local function retry_delay_ms(backoff_ms, attempt, execution_id, us)
+  local d = math.floor(math.min(backoff_ms * 2 ^ (attempt - 1), RETRY_CAP_MS))
+  local low = math.ceil(d / 2)
+  return low + jitter(execution_id, us) % (d - low + 1)
+end
+
+-- A failed attempt (hw_fail, or hw_expire for a lapsed lease): retry_wait with
+-- a retry time, or dead. Returns retry_at_ms or DEAD.
+local function settle_failure(base, kind, execution_id, h, worker_id, error_json, retryable,
+                              now, us)
+  local hot = base .. ':x:' .. execution_id
+  local attempt = tonumber(h.attempt)
+  local max_attempts = tonumber(h.max_attempts) or 1
+  local extra = {'error', error_json, 'retryable', retryable and '1' or '0'}
+  local reply
+  if not retryable or attempt >= max_attempts then
+    redis.call('HSET', hot, 'state', 'dead')
+    redis.call('PEXPIRE', hot, TERMINAL_TTL_MS)
+    extra[#extra + 1], extra[#extra + 2] = 'outcome', 'dead'
+    reply = DEAD
+  else
+    local backoff_ms = tonumber(h.backoff_ms) or 0
+    local retry_at = now + retry_delay_ms(backoff_ms, attempt, execution_id, us)
+    redis.call('HSET', hot, 'state', 'retry_wait', 'retry_at', fmt(retry_at))
+    extra[#extra + 1], extra[#extra + 2] = 'outcome', 'retry'
+    extra[#extra + 1], extra[#extra + 2] = 'retry_at_ms', fmt(retry_at)
+    reply = retry_at
+  end
+  redis.call('ZREM', base .. ':leases', execution_id)
+  emit(base, kind, execution_id, h, worker_id, now, extra)
+  return reply
+end
+
+--[[
+hw_lease  KEYS[1] = P:{pool}
+          ARGV = worker_id, lease_seconds (> 0, decimals allowed),
+                 execution_id, attempt (decimal)
+Takes the lease on a ready attempt: state leased, owner worker_id, until
+now + lease; XADDs `leased` to the events stream. The same worker leasing
+again while its lease is live extends it (idempotent; no second event).
+LEASE_LOST if the execution is unknown, the attempt is not the current one,
+another worker holds it (live or lapsed: a lapsed lease is hw_expire's to
+settle, not the next comer's), its own lease already lapsed, or the
+attempt is in retry_wait or finished.
+Reply: lease_until_ms (integer) | LEASE_LOST (status).
+]]
+local function hw_lease(keys, args)
+  local base = keys[1]
+  local worker_id = worker_arg('hw_lease', args[1])
+  local lease_ms = lease_ms_arg('hw_lease', args[2])
+  local execution_id = args[3]
+  local attempt = int_arg('hw_lease', 'attempt', args[4])
+  local hot = base .. ':x:' .. execution_id
+  local h = load_hot(hot)
+  local now = now_ms()
+  if h == nil or tonumber(h.attempt) ~= attempt then
+    return LEASE_LOST
+  end
+  local first = h.state == 'ready'
+  if not first and not holds(h, attempt, worker_id, now) then
+    return LEASE_LOST
+  end
+  local lease_until = now + lease_ms
+  redis.call('HSET', hot, 'state', 'leased', 'lease_owner', worker_id,
+             'lease_until', fmt(lease_until))
+  redis.call('ZADD', base .. ':leases', lease_until, execution_id)
+  if first then
+    emit(base, 'leased', execution_id, h, worker_id, now, {'lease_until_ms', fmt(lease_until)})
+  end
+  return lease_until
+end
+
+--[[
+hw_heartbeat  KEYS[1] = P:{pool}
+              ARGV = execution_id, attempt, worker_id, lease_seconds (> 0)
+Extends worker_id's live lease on the attempt to now + lease. No event.
+Reply: lease_until_ms (integer) | LEASE_LOST (status) if the attempt is not
+current, not leased, leased by someone else, or the lease lapsed.
+]]
+local function hw_heartbeat(keys, args)
+  local base = keys[1]
+  local execution_id = args[1]
+  local attempt = int_arg('hw_heartbeat', 'attempt', args[2])
+  local worker_id = worker_arg('hw_heartbeat', args[3])
+  local lease_ms = lease_ms_arg('hw_heartbeat', args[4])
+  local hot = base .. ':x:' .. execution_id
+  local now = now_ms()
+  if not holds(load_hot(hot), attempt, worker_id, now) then
+    return LEASE_LOST
+  end
+  local lease_until = now + lease_ms
+  redis.call('HSET', hot, 'lease_until', fmt(lease_until))
+  redis.call('ZADD', base .. ':leases', lease_until, execution_id)
+  return lease_until
+end
+
+--[[
+hw_complete  KEYS[1] = P:{pool}
+             ARGV = execution_id, attempt, worker_id, result_json (JSON text)
+Finishes the attempt: state done, lease dropped, `completed` XADDed with the
+result as given. The hash stays for TERMINAL_TTL_MS (1 h) so a duplicate
+complete meets it, then expires.
+Reply: OK | LEASE_LOST (status; same checks as hw_heartbeat).
+]]
+local function hw_complete(keys, args)
+  local base = keys[1]
+  local execution_id = args[1]
+  local attempt = int_arg('hw_complete', 'attempt', args[2])
+  local worker_id = worker_arg('hw_complete', args[3])
+  local result_json = args[4] or 'null'
+  local hot = base .. ':x:' .. execution_id
+  local h = load_hot(hot)
+  local now = now_ms()
+  if not holds(h, attempt, worker_id, now) then
+    return LEASE_LOST
+  end
+  redis.call('HSET', hot, 'state', 'done')
+  redis.call('PEXPIRE', hot, TERMINAL_TTL_MS)
+  redis.call('ZREM', base .. ':leases', execution_id)
+  emit(base, 'completed', execution_id, h, worker_id, now, {'result', result_json})
+  return OK
+end
+
+--[[
+hw_fail  KEYS[1] = P:{pool}
+         ARGV = execution_id, attempt, worker_id, error_json (JSON text),
+                retryable ('1' | '0')
+Ends the attempt as failed. Dead when retryable is '0' or attempt >=
+max_attempts; otherwise retry_wait until now + delay, the delay uniform in
+[d/2, d] ms, d = backoff_ms * 2^(attempt-1) capped at 1 h. XADDs `failed`
+with the outcome; the scheduler republishes attempt + 1 at retry_at_ms.
+Reply: retry_at_ms (integer) | DEAD | LEASE_LOST (status; same checks as
+hw_heartbeat).
+]]
+local function hw_fail(keys, args)
+  local base = keys[1]
+  local execution_id = args[1]
+  local attempt = int_arg('hw_fail', 'attempt', args[2])
+  local worker_id = worker_arg('hw_fail', args[3])
+  local error_json = args[4] or 'null'
+  if args[5] ~= '0' and args[5] ~= '1' then
+    bad_arg('hw_fail', "retryable must be '0' or '1'")
+  end
+  local h = load_hot(base .. ':x:' .. execution_id)
+  local now, us = now_ms()
+  if not holds(h, attempt, worker_id, now) then
+    return LEASE_LOST
+  end
+  return settle_failure(base, 'failed', execution_id, h, worker_id, error_json, args[5] == '1',
+                        now, us)
+end
+
+--[[
+hw_expire  KEYS[1] = P:{pool}
+           ARGV = limit (executions per call, >= 1)
+The reaper's call, about once a second. Each lease in P:{pool}:leases due by
+now whose execution is still leased and lapsed becomes a failed attempt,
+exactly as hw_fail with retryable '1' and error {"message":"lease expired"}
+(retry or dead by max_attempts), XADDed as `expired` with the lapsed owner
+as worker_id. Entries of executions no longer leased are dropped.
+Reply: array of the execution ids expired (at most limit).
+]]
+local function hw_expire(keys, args)
+  local base = keys[1]
+  local limit = int_arg('hw_expire', 'limit', args[1])
+  if limit < 1 then
+    bad_arg('hw_expire', 'limit must be >= 1')
+  end
+  local leases = base .. ':leases'
+  local now, us = now_ms()
+  local expired = {}
+  for _, execution_id in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now,
+                                           'LIMIT', 0, limit)) do
+    local h = load_hot(base .. ':x:' .. execution_id)
+    local lease_until = h and tonumber(h.lease_until) or 0
+    if h == nil or h.state ~= 'leased' then
+      redis.call('ZREM', leases, execution_id)
+    elseif lease_until > now then
+      -- A live lease under a stale score (not written by these functions):
+      -- re-score it rather than stop watching it.
+      redis.call('ZADD', leases, lease_until, execution_id)
+    else
+      settle_failure(base, 'expired', execution_id, h, h.lease_owner, EXPIRED_ERROR, true,
+                     now, us)
+      expired[#expired + 1] = execution_id
+    end
+  end
+  return expired
+end
+
+--[[
+hw_cancel  KEYS[1] = P:{pool}
+           ARGV = execution_id
+The job was canceled, or an overlap=replace occurrence supersedes this one.
+A ready, leased or retry_wait execution becomes canceled (its lease
+dropped; the holder's next heartbeat/complete/fail gets LEASE_LOST), and a
+ready or leased one XADDs `canceled`. Finished and unknown executions are
+left alone: idempotent.
+Reply: OK (status).
+]]
+local function hw_cancel(keys, args)
+  local base = keys[1]
+  local execution_id = args[1]
+  local hot = base .. ':x:' .. execution_id
+  local h = load_hot(hot)
+  if h == nil or (h.state ~= 'ready' and h.state ~= 'leased' and h.state ~= 'retry_wait') then
+    return OK
+  end
+  local now = now_ms()
+  redis.call('HSET', hot, 'state', 'canceled')
+  redis.call('PEXPIRE', hot, TERMINAL_TTL_MS)
+  redis.call('ZREM', base .. ':leases', execution_id)
+  if h.state ~= 'retry_wait' then
+    local holder = h.state == 'leased' and h.lease_owner or ''
+    emit(base, 'canceled', execution_id, h, holder, now, {})
+  end
+  return OK
+end
+
 redis.register_function('hw_publish', hw_publish)
 redis.register_function{function_name = 'hw_version', callback = hw_version,
                         flags = {'no-writes'}}
+-- The rest write hot state and the events stream: default flags (may write,
+-- refused when Redis is out of memory rather than half-applied).
+redis.register_function{function_name = 'hw_lease', callback = hw_lease}
+redis.register_function{function_name = 'hw_heartbeat', callback = hw_heartbeat}
+redis.register_function{function_name = 'hw_complete', callback = hw_complete}
+redis.register_function{function_name = 'hw_fail', callback = hw_fail}
+redis.register_function{function_name = 'hw_expire', callback = hw_expire}
+redis.register_function{function_name = 'hw_cancel', callback = hw_cancel}

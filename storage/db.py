@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import asyncpg
 
@@ -13,7 +15,10 @@ from herdwick.errors import StorageUnavailable
 
 log = logging.getLogger("herdwick.storage")
 
+T = TypeVar("T")
+
 COMMAND_TIMEOUT_S = 10.0
+RETRIES = 3
 ACQUIRE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
 
@@ -37,6 +42,23 @@ def translated() -> object:
         yield
     except _UNAVAILABLE as exc:
         raise StorageUnavailable(f"postgres unavailable: {type(exc).__name__}: {exc}") from exc
+
+
+async def retrying(attempt: Callable[[], Awaitable[T]]) -> T:
+    """Run a whole transaction again after a deadlock or serialization failure.
+
+    Only those are safe to retry blindly: the transaction rolled back and
+    changed nothing. Bounded and jittered.
+    """
+    for tries in range(1, RETRIES + 1):
+        try:
+            return await attempt()
+        except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError):
+            if tries == RETRIES:
+                raise
+            log.info("event=transaction_retried try=%d", tries)
+            await asyncio.sleep(random.uniform(0.005, 0.05) * tries)
+    raise AssertionError("unreachable")
 
 
 class Database:

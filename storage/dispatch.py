@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import random
 import uuid
 from collections.abc import Callable
 from datetime import datetime
 
-import asyncpg
 import msgspec
 
-from storage.db import Database
+from storage.db import Database, retrying
 from storage.jobs import due_minute
 from storage.sql import q
 
 LOAD_LIMIT = 50_000
-RETRIES = 3
 
 
 class DueRow(msgspec.Struct, frozen=True):
@@ -73,6 +69,7 @@ class Plan(msgspec.Struct, kw_only=True):
     next_due: list[NextDue] = []
     job_next: list[tuple[uuid.UUID, datetime | None]] = []
     retries: list[Retry] = []
+    replace: list[tuple[uuid.UUID, datetime]] = []  # overlap replace: (job, new scheduled_for)
 
 
 class Queued(msgspec.Struct, frozen=True):
@@ -88,6 +85,7 @@ class Dispatched(msgspec.Struct, kw_only=True):
     held: set[int]  # shards whose lease checked out
     claimed: list[Claimed]
     queued: list[Queued]
+    replaced: list[tuple[uuid.UUID, uuid.UUID]] = []  # (execution, job) canceled by a newer one
 
 
 class DueKey(msgspec.Struct, frozen=True):
@@ -123,14 +121,7 @@ async def dispatch(db: Database, node_id: str, revisions: dict[int, int], keys: 
     anyway (or a serialization failure) is retried, bounded and jittered.
     """
     keys = sorted(keys, key=lambda k: (k.shard_id, k.next_run_at, k.job_id))
-    for attempt in range(1, RETRIES + 1):
-        try:
-            return await _dispatch_once(db, node_id, revisions, keys, now, plan)
-        except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError):
-            if attempt == RETRIES:
-                raise
-            await asyncio.sleep(random.uniform(0.005, 0.05) * attempt)
-    raise AssertionError("unreachable")
+    return await retrying(lambda: _dispatch_once(db, node_id, revisions, keys, now, plan))
 
 
 async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
@@ -147,10 +138,15 @@ async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
         if not claimed:
             return Dispatched(held=held, claimed=[], queued=[])
         decided = plan(claimed)
+        replaced = []
+        if decided.replace:
+            replaced = [(r["execution_id"], r["job_id"]) for r in await conn.fetch(
+                q("replace_previous"), [j for j, _ in decided.replace],
+                [t for _, t in decided.replace], now)]
         out = await conn.fetch(q("finish_dispatch"), now, *_finish_args(decided))
     queued = [Queued(r["execution_id"], r["job_id"], r["scheduled_for"], r["attempt"])
               for r in out]
-    return Dispatched(held=held, claimed=claimed, queued=queued)
+    return Dispatched(held=held, claimed=claimed, queued=queued, replaced=replaced)
 
 
 def _finish_args(plan: Plan) -> tuple[list, ...]:

@@ -76,8 +76,10 @@ class HotTier:
             raise StorageUnavailable(f"redis: cannot load functions: {exc}") from exc
 
     async def ensure_group(self, pool: str) -> None:
+        """The ready stream's consumer group, from id 0 so nothing published before is missed."""
         if pool in self._groups:
             return
+        await self.client.sadd(keys.pools_set(self.prefix), pool)
         try:
             await self.client.xgroup_create(keys.ready_stream(self.prefix, pool),
                                             keys.WORKERS_GROUP, id="0", mkstream=True)
@@ -101,6 +103,32 @@ class HotTier:
         except RedisError as exc:
             raise StorageUnavailable(f"redis: publish failed: {exc}") from exc
         return sum(int(r) for r in results)
+
+    async def pools(self) -> list[str]:
+        """Every pool that has had work published, on any node."""
+        return sorted(p.decode() for p in await self.client.smembers(keys.pools_set(self.prefix)))
+
+    def forget_groups(self) -> None:
+        """After Redis lost its data: recreate groups (and the pool set) on next publish."""
+        self._groups.clear()
+
+    async def hot_attempts(self, items: list[tuple[str, str]]) -> list[int | None]:
+        """The attempt in hot state of each (pool, execution_id); None where there is none."""
+        pipe = self.client.pipeline(transaction=False)
+        for pool, execution_id in items:
+            pipe.hget(keys.hot_state(self.prefix, pool, execution_id), "attempt")
+        try:
+            found = await pipe.execute()
+        except RedisError as exc:
+            raise StorageUnavailable(f"redis: {exc}") from exc
+        return [None if v is None else int(v) for v in found]
+
+    async def ensure_epoch(self, value: str) -> bool:
+        """True if the epoch key was missing (and is now `value`): Redis lost its data."""
+        try:
+            return bool(await self.client.set(keys.epoch_key(self.prefix), value, nx=True))
+        except RedisError as exc:
+            raise StorageUnavailable(f"redis: {exc}") from exc
 
     async def notify(self, messages: list[NotifyMessage]) -> None:
         """Best effort: a lost notify only waits for the next load."""

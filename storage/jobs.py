@@ -12,7 +12,7 @@ import msgspec
 
 from herdwick.errors import NotFound, QuotaExceeded
 from herdwick.model import Job, RetryPolicy, Schedule, ScheduleOut, Target
-from storage.db import Database
+from storage.db import Database, retrying
 from storage.sql import q
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
@@ -195,23 +195,37 @@ class Transition(msgspec.Struct, frozen=True, kw_only=True):
     next_run_at: datetime | None
     clear_due: str | None = None  # "occurrences" | "all" | None
     add_due: tuple[int, datetime] | None = None  # (shard_id, next_run_at)
+    cancel_executions: bool = False
 
 
 async def transition_job(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, now: datetime,
-                         decide) -> Job:
+                         decide) -> tuple[Job, list[uuid.UUID]]:
     """Lock the job, let `decide(job, schedule) -> Transition | None` choose, apply it atomically.
 
     decide returns None for a no-op (e.g. pausing a paused job) and raises
-    Conflict for a transition the state forbids.
+    Conflict for a transition the state forbids. Returns the job as it now is
+    and the executions the transition canceled (their workers must be told).
+    Lock order is due rows, then the job row: the dispatcher's order, so the
+    two cannot deadlock.
     """
+    return await retrying(lambda: _transition_once(db, tenant_id, job_id, now, decide))
+
+
+async def _transition_once(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, now: datetime,
+                           decide) -> tuple[Job, list[uuid.UUID]]:
     async with db.transaction() as conn:
+        await conn.execute(q("lock_due_rows"), job_id)
         row = await conn.fetchrow(q("lock_job"), tenant_id, job_id)
         if row is None:
             raise NotFound(f"job {job_id} does not exist")
         job = job_from_row(row)
         change = decide(job, _schedule_decoder.decode(row["schedule"]))
         if change is None:
-            return job
+            return job, []
+        canceled: list[uuid.UUID] = []
+        if change.cancel_executions:
+            canceled = [r["execution_id"] for r in
+                        await conn.fetch(q("cancel_job_executions"), job_id, now)]
         if change.clear_due == "occurrences":
             await conn.execute(q("delete_due_occurrences"), job_id)
         elif change.clear_due == "all":
@@ -221,5 +235,5 @@ async def transition_job(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, 
             await conn.execute(q("insert_due"), shard_id, due_minute(when), when, job_id)
         updated = await conn.fetchrow(q("set_job_state"), tenant_id, job_id, change.state,
                                       change.next_run_at, now)
-        return job_from_row(updated)
+        return job_from_row(updated), canceled
 

@@ -24,9 +24,24 @@ def hot_state(prefix: str, pool: str, execution_id: str) -> str:
     return pool_base(prefix, pool) + ":x:" + execution_id
 
 
+def leases_zset(prefix: str, pool: str) -> str:
+    """Sorted set of leased execution ids, scored by lease_until (ms): hw_expire's work list."""
+    return pool_base(prefix, pool) + ":leases"
+
+
 def notify_channel(prefix: str) -> str:
     """Pub/sub channel: the gateway announces near-due submissions to the shard owners."""
     return f"{prefix}:notify"
 
 
 WORKERS_GROUP = "workers"
+
+
+def pools_set(prefix: str) -> str:
+    """Every pool that has had work published: what the event actor and reaper watch."""
+    return f"{prefix}:pools"
+
+
+def epoch_key(prefix: str) -> str:
+    """Set once by a scheduler; its absence means Redis lost its data (restart, flush)."""
+    return f"{prefix}:epoch"

@@ -94,6 +94,8 @@ CREATE TABLE executions (
 ) PARTITION BY RANGE (scheduled_for);
 CREATE TABLE executions_default PARTITION OF executions DEFAULT;
 CREATE INDEX executions_dead ON executions (tenant_id, execution_id DESC) WHERE state = 'dead';
+-- The sweeper's scan: what Postgres thinks is queued or running, oldest first.
+CREATE INDEX executions_unfinished ON executions (queued_at) WHERE state IN ('queued', 'running');
 
 CREATE TABLE execution_attempts (
     execution_id   uuid NOT NULL,

@@ -72,3 +72,13 @@ WITH new_exec AS (
 SELECT execution_id, job_id, scheduled_for, attempt FROM new_exec WHERE state = 'queued'
 UNION ALL
 SELECT execution_id, job_id, scheduled_for, attempt FROM retried;
+
+-- name: replace_previous
+-- Overlap replace: a new occurrence supersedes the job's unfinished earlier
+-- ones. Returns them, so their workers are told (hw_cancel -> LEASE_LOST).
+UPDATE executions e SET state = 'canceled', finished_at = coalesce($3, now()),
+                        lease_owner = NULL, lease_until = NULL
+FROM unnest($1::uuid[], $2::timestamptz[]) AS r(job_id, scheduled_for)
+WHERE e.job_id = r.job_id AND e.scheduled_for < r.scheduled_for
+  AND e.state IN ('queued', 'running', 'retry_wait')
+RETURNING e.execution_id, e.job_id;

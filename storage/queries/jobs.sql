@@ -64,6 +64,10 @@ SELECT job_id, name, target_type, target_ref, payload::text AS payload, schedule
        max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at, version
 FROM jobs WHERE tenant_id = $1 AND job_id = $2;
 
+-- name: lock_due_rows
+-- Taken before the job row in a transition: the dispatcher locks due rows first too.
+SELECT 1 FROM due_index WHERE job_id = $1 FOR UPDATE;
+
 -- name: lock_job
 -- The job row, locked for a state transition.
 SELECT job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import pytest
 from aiohttp.test_utils import TestClient
 
+from actors.scheduler import Scheduler
+from herdwick.config import Settings
 from tests.integration.gateway_client import ADMIN_TOKEN, start_client
 
 
@@ -48,3 +50,23 @@ async def api(db_url, services, key_prefix, clock) -> AsyncIterator[Api]:
         yield holder
     finally:
         await client.close()
+
+
+@pytest.fixture
+async def schedulers(db, redis_client, key_prefix, clock) -> AsyncIterator[list]:
+    """A factory of scheduler nodes sharing the test's database, Redis prefix and clock."""
+    started: list[Scheduler] = []
+    settings = Settings(key_prefix=key_prefix)
+
+    async def start(node_id: str | None = None) -> Scheduler:
+        node = Scheduler(settings, clock=clock, db=db, redis=redis_client,
+                         node_id=node_id or f"node-{len(started)}", tick=False)
+        started.append(node)
+        return await node.start()
+
+    try:
+        yield start
+    finally:
+        for node in started:
+            if not getattr(node, "crashed", False):
+                await node.stop()

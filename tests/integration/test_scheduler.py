@@ -3,49 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import timedelta
 
 import pytest
 
-from actors.base import Tick, sync
-from actors.scheduler import Scheduler
-from herdwick.config import Settings
+from actors.base import sync
 from herdwick.ids import shard_of
-from storage import keys
 from tests.conftest import T0
-from tests.integration.conftest import Api, make_job
-
-
-@pytest.fixture
-async def schedulers(db, redis_client, key_prefix, clock) -> AsyncIterator[list]:
-    """A factory of scheduler nodes sharing the test's database, Redis prefix and clock."""
-    started: list[Scheduler] = []
-    settings = Settings(key_prefix=key_prefix)
-
-    async def start(node_id: str | None = None) -> Scheduler:
-        node = Scheduler(settings, clock=clock, db=db, redis=redis_client,
-                         node_id=node_id or f"node-{len(started)}", tick=False)
-        started.append(node)
-        return await node.start()
-
-    try:
-        yield start
-    finally:
-        for node in started:
-            if not getattr(node, "crashed", False):
-                await node.stop()
-
-
-async def ready(redis_client, key_prefix: str, pool: str = "emails") -> list[dict]:
-    entries = await redis_client.xrange(keys.ready_stream(key_prefix, pool))
-    return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
-
-
-async def submit(api: Api, **overrides) -> dict:
-    resp = await api.submit(make_job(**overrides))
-    assert resp.status == 201, await resp.text()
-    return await resp.json()
+from tests.integration.conftest import make_job
+from tests.integration.stack import advance, ready, submit, tick
 
 
 async def test_a_one_off_is_published_when_due_and_not_before(api, schedulers, redis_client,
@@ -147,22 +113,6 @@ async def test_nodes_share_the_shards_and_rebalance(schedulers, clock) -> None:
     sizes = sorted(len(n.shard_ids) for n in (a, b, c))
     assert sizes == [85, 85, 86]
     assert len(a.shard_ids | b.shard_ids | c.shard_ids) == 256
-
-
-async def advance(clock, seconds: float, *nodes: Scheduler) -> None:
-    """Move time as it really passes: in steps, each node's coordinator renewing its leases."""
-    while seconds > 0:
-        step = min(seconds, 3.0)
-        clock.advance(step)
-        seconds -= step
-        await tick(*nodes)
-
-
-async def tick(*nodes: Scheduler) -> None:
-    """One coordinator pass on each node, in order."""
-    for node in nodes:
-        await node.coordinator.send(Tick())
-        await sync(node.coordinator)
 
 
 async def test_a_dead_nodes_shards_are_taken_over_and_nothing_is_lost(

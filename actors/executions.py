@@ -1,0 +1,174 @@
+"""The execution-event actor: workers' outcomes from every pool's events stream into Postgres.
+
+Reads `P:{pool}:events` in a consumer group (every scheduler node is one
+consumer, so nodes share the work), applies each batch in one transaction,
+and acks only after commit: a crash replays the batch rather than losing
+it, and every write is fenced by attempt and moves state only forward, so
+the replay changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import UTC, datetime
+
+import msgspec
+
+from actors.base import Actor, Tick
+from herdwick import schedule as sched
+from herdwick.clock import Clock
+from herdwick.ids import shard_of
+from herdwick.model import Schedule
+from storage import executions as store
+from storage.db import Database
+from storage.executions import AttemptRow, ExecutionUpdate
+from storage.hot import HotTier
+from storage.protocol import Event, Protocol
+
+log = logging.getLogger("herdwick.executions")
+
+GROUP = "scheduler"
+READ_COUNT = 2_000
+IDLE_POLL_S = 0.05  # after an empty pass; a busy stream is read back to back
+_schedule_decoder = msgspec.json.Decoder(Schedule)
+
+_STATE_OF = {"leased": "running", "completed": "succeeded"}
+_OUTCOME_OF = {"leased": "running", "completed": "succeeded", "failed": "failed",
+               "expired": "expired", "canceled": "canceled"}
+
+
+def _at(ms: int | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def _scheduled_for(event: Event) -> datetime:
+    return datetime.fromisoformat(event.scheduled_for.replace("Z", "+00:00"))
+
+
+def _execution_state(event: Event) -> str | None:
+    if event.type in _STATE_OF:
+        return _STATE_OF[event.type]
+    if event.type in ("failed", "expired"):
+        return "dead" if event.outcome == "dead" else "retry_wait"
+    return None  # canceled: the API already wrote it
+
+
+def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRow]]:
+    """Fold a batch, in stream order, into one update per execution and one row per attempt.
+
+    A statement may touch a row only once, and the events of one attempt
+    (leased, then completed) belong in one final state. Of several attempts
+    of one execution, the latest wins the execution row.
+    """
+    updates: dict[uuid.UUID, ExecutionUpdate] = {}
+    attempts: dict[tuple[uuid.UUID, int], AttemptRow] = {}
+    for event in events:
+        execution_id = uuid.UUID(event.execution_id)
+        _fold_attempt(attempts, execution_id, event)
+        state = _execution_state(event)
+        if state is None:
+            continue
+        current = updates.get(execution_id)
+        if current is not None and current.attempt > event.attempt:
+            continue
+        if current is None or current.attempt < event.attempt:
+            current = updates[execution_id] = ExecutionUpdate(
+                execution_id=execution_id, scheduled_for=_scheduled_for(event),
+                attempt=event.attempt, state=state, job_id=uuid.UUID(event.job_id))
+        _fold_update(current, event, state)
+    return list(updates.values()), list(attempts.values())
+
+
+def _fold_update(update: ExecutionUpdate, event: Event, state: str) -> None:
+    update.state = state
+    if event.type == "leased":
+        update.lease_owner = event.worker_id
+        update.lease_until = _at(event.lease_until_ms)
+        update.started_at = update.started_at or _at(event.at_ms)
+    elif event.type == "completed":
+        update.result = event.result
+        update.finished_at = _at(event.at_ms)
+    else:
+        update.error = event.error
+        update.finished_at = _at(event.at_ms)
+        update.retry_at = _at(event.retry_at_ms)
+
+
+def _fold_attempt(rows: dict, execution_id: uuid.UUID, event: Event) -> None:
+    key = (execution_id, event.attempt)
+    row = rows.get(key)
+    if row is None:
+        row = rows[key] = AttemptRow(execution_id=execution_id, attempt=event.attempt,
+                                     scheduled_for=_scheduled_for(event))
+    row.worker_id = row.worker_id or event.worker_id or None
+    row.outcome = _OUTCOME_OF.get(event.type, row.outcome)
+    if event.type == "leased":
+        row.started_at = row.started_at or _at(event.at_ms)
+    else:
+        row.finished_at = _at(event.at_ms)
+        row.error = event.error or row.error
+
+
+def next_after(now: datetime):
+    """A forbid-overlap job's next occurrence: the first after now (overlaps are skipped)."""
+    def compute(job_id: uuid.UUID, schedule_json: str) -> datetime | None:
+        schedule = _schedule_decoder.decode(schedule_json)
+        times = sched.next_fire_times(schedule, now, 1, job_id=job_id)
+        return times[0] if times else None
+    return compute
+
+
+class ExecutionEvents(Actor):
+    """Its mailbox is the events streams; Tick refreshes the set of pools to read."""
+
+    name = "execution-events"
+
+    def __init__(self, *, db: Database, hot: HotTier, protocol: Protocol, node_id: str,
+                 clock: Clock, db_now: bool = False) -> None:
+        super().__init__(clock=clock)
+        self._db = db
+        self._hot = hot
+        self._protocol = protocol
+        self._node_id = node_id
+        self._db_now = db_now
+        self._pools: list[str] = []
+        self._busy = False
+        self.applied = 0  # events applied; read by tests and reports
+
+    def idle_timeout(self) -> float | None:
+        return 0 if self._busy else IDLE_POLL_S
+
+    async def on_start(self) -> None:
+        await self.refresh_pools()
+
+    async def handle(self, msg: object | None) -> None:
+        if isinstance(msg, Tick):
+            await self.refresh_pools()
+        self._busy = await self.run_once() > 0
+
+    async def refresh_pools(self) -> None:
+        pools = await self._hot.pools()
+        for pool in sorted(set(pools) - set(self._pools)):
+            await self._protocol.ensure_events_group(pool, GROUP)
+        self._pools = sorted(pools)
+
+    async def run_once(self) -> int:
+        """Read one batch from every pool, apply it in one transaction, then ack it."""
+        if not self._pools:
+            return 0
+        events: list[tuple[str, Event]] = []
+        for pool in self._pools:
+            got = await self._protocol.read_events(pool, GROUP, self._node_id, READ_COUNT, None)
+            events += [(pool, e) for e in got]
+        if not events:
+            return 0
+        updates, attempts = collapse([e for _, e in events])
+        now = None if self._db_now else self.clock.now()
+        await store.apply(self._db, updates, attempts, now, shard_of,
+                          next_after(self.clock.now()))
+        for pool in {p for p, _ in events}:
+            await self._protocol.ack_events(pool, GROUP,
+                                            [e.stream_id for p, e in events if p == pool])
+        self.applied += len(events)
+        return len(events)

@@ -1,0 +1,95 @@
+"""The sweeper: executions Postgres has as queued or running but the hot tier does not.
+
+That happens when a scheduler died between its commit and its publish, or
+Redis came back empty. Each such execution is republished with attempt + 1,
+which fences out any worker still holding the old attempt. A missing epoch
+key means Redis lost its data: then functions are reloaded and everything
+unfinished is swept at once, not only what is older than the grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import timedelta
+
+from actors.base import Actor, Tick
+from actors.messages import Publish
+from actors.shard import to_us
+from herdwick import schedule as sched
+from herdwick.clock import Clock
+from herdwick.errors import StorageUnavailable
+from storage import sweep as store
+from storage.db import Database
+from storage.hot import HotTier, ReadyExecution
+
+log = logging.getLogger("herdwick.sweeper")
+
+INTERVAL_S = 10.0
+GRACE_S = 30.0  # a fresh execution may be between commit and publish this long
+SWEEP_BATCH = 5_000
+
+
+class Sweeper(Actor):
+    name = "sweeper"
+
+    def __init__(self, *, db: Database, hot: HotTier, clock: Clock, publish,
+                 db_now: bool = False) -> None:
+        super().__init__(clock=clock)
+        self._db = db
+        self._hot = hot
+        self._publish = publish
+        self._db_now = db_now
+        self._epoch = uuid.uuid4().hex
+        self.republished = 0
+
+    async def on_start(self) -> None:
+        await self.run_once()
+
+    async def handle(self, msg: object | None) -> None:
+        if isinstance(msg, Tick):
+            await self.run_once()
+
+    async def run_once(self) -> int:
+        try:
+            lost_data = await self._hot.ensure_epoch(self._epoch)
+            if lost_data:
+                await self._hot.load_functions()
+                self._hot.forget_groups()
+            return await self._sweep(everything=lost_data)
+        except StorageUnavailable as exc:
+            log.warning("event=sweep_skipped error=%s", exc)
+            return 0
+
+    async def _sweep(self, everything: bool) -> int:
+        now = self.clock.now()
+        cutoff = now if everything else now - timedelta(seconds=GRACE_S)
+        rows = await store.unfinished(self._db, cutoff, SWEEP_BATCH)
+        if not rows:
+            return 0
+        hot = await self._hot.hot_attempts([(r.pool, str(r.execution_id)) for r in rows])
+        missing = [r for r, attempt in zip(rows, hot, strict=True)
+                   if attempt is None or attempt < r.attempt]
+        if not missing:
+            return 0
+        bumped = await store.bump(self._db, missing, None if self._db_now else now)
+        by_pool: dict[str, list] = {}
+        for row in missing:
+            if row.execution_id in bumped:
+                by_pool.setdefault(row.pool, []).append((row, bumped[row.execution_id]))
+        for pool, items in by_pool.items():
+            await self._publish(pool, Publish(
+                [_ready(row, attempt) for row, attempt in items],
+                [to_us(row.scheduled_for) for row, _ in items]))
+        count = sum(len(v) for v in by_pool.values())
+        log.warning("event=executions_republished count=%d everything=%s", count, everything)
+        self.republished += count
+        return count
+
+
+def _ready(row: store.Unfinished, attempt: int) -> ReadyExecution:
+    return ReadyExecution(
+        execution_id=str(row.execution_id), attempt=attempt, job_id=str(row.job_id),
+        tenant_id=str(row.tenant_id), scheduled_for=sched.format_utc(row.scheduled_for),
+        payload=row.payload, timeout_seconds=row.timeout_s, max_attempts=row.max_attempts,
+        backoff_ms=round(row.backoff_s * 1000))

@@ -1,0 +1,75 @@
+-- name: apply_execution_updates
+-- The execution-event actor's batch: each execution's final state in this
+-- batch (collapsed in Python, since one statement may touch a row once),
+-- fenced by attempt, so a replayed or stale event changes nothing. A state
+-- is only ever moved forward: terminal states are never left.
+UPDATE executions e SET
+    state = u.state,
+    lease_owner = coalesce(u.lease_owner, e.lease_owner),
+    lease_until = CASE WHEN u.state = 'running' THEN u.lease_until END,
+    started_at = coalesce(e.started_at, u.started_at),
+    finished_at = CASE WHEN u.state IN ('succeeded', 'dead') THEN u.finished_at END,
+    result = coalesce(u.result::jsonb, e.result),
+    error = coalesce(u.error::jsonb, e.error)
+FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[], $4::text[], $5::text[],
+            $6::timestamptz[], $7::timestamptz[], $8::timestamptz[], $9::text[], $10::text[])
+     AS u(execution_id, scheduled_for, attempt, state, lease_owner, lease_until, started_at,
+          finished_at, result, error)
+WHERE e.execution_id = u.execution_id AND e.scheduled_for = u.scheduled_for
+  AND e.attempt = u.attempt
+  AND e.state IN ('queued', 'running')
+  AND NOT (e.state = 'running' AND u.state = 'running')
+RETURNING e.execution_id, e.job_id, e.scheduled_for, e.state, e.attempt;
+
+-- name: upsert_attempts
+-- One row per attempt, for inspection; later events of the same attempt fill it in.
+INSERT INTO execution_attempts AS a (execution_id, attempt, scheduled_for, worker_id, started_at,
+                                     finished_at, outcome, error)
+SELECT * FROM unnest($1::uuid[], $2::integer[], $3::timestamptz[], $4::text[],
+                     $5::timestamptz[], $6::timestamptz[], $7::text[], $8::text[]::jsonb[])
+ON CONFLICT (execution_id, attempt) DO UPDATE SET
+    worker_id = coalesce(a.worker_id, EXCLUDED.worker_id),
+    started_at = coalesce(a.started_at, EXCLUDED.started_at),
+    finished_at = coalesce(EXCLUDED.finished_at, a.finished_at),
+    outcome = CASE WHEN a.outcome IN ('succeeded', 'failed', 'expired', 'canceled')
+                   THEN a.outcome ELSE EXCLUDED.outcome END,
+    error = coalesce(EXCLUDED.error, a.error);
+
+-- name: insert_retry_due
+-- A failed attempt with retries left comes back through the due index.
+INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id, scheduled_for,
+                       attempt)
+SELECT * FROM unnest($1::smallint[], $2::timestamptz[], $3::timestamptz[], $4::uuid[],
+                     $5::uuid[], $6::timestamptz[], $7::integer[])
+ON CONFLICT DO NOTHING;
+
+-- name: complete_one_offs
+-- A one-off whose execution succeeded or went dead is completed.
+UPDATE jobs SET state = 'completed', next_run_at = NULL, version = version + 1,
+                updated_at = coalesce($2, now())
+WHERE job_id = ANY($1::uuid[]) AND state = 'active' AND schedule->>'cron' IS NULL;
+
+-- name: forbid_successors
+-- Cron jobs with overlap forbid whose occurrence just finished: their next
+-- occurrence is due now that nothing of theirs runs.
+SELECT job_id, schedule::text AS schedule FROM jobs
+WHERE job_id = ANY($1::uuid[]) AND state = 'active' AND schedule->>'overlap' = 'forbid';
+
+-- name: unfinished_executions
+-- Sweeper: executions Postgres thinks are queued or running, queued at or before $1.
+SELECT e.execution_id, e.job_id, e.tenant_id, e.scheduled_for, e.attempt, e.state,
+       j.pool, j.payload::text AS payload, j.timeout_s, j.max_attempts, j.backoff_s
+FROM executions e JOIN jobs j USING (job_id)
+WHERE e.state IN ('queued', 'running') AND e.queued_at <= $1
+ORDER BY e.queued_at
+LIMIT $2;
+
+-- name: bump_attempts
+-- Sweeper: republish with attempt + 1, which fences out any worker still
+-- holding the old attempt. Guarded so a concurrent event wins.
+UPDATE executions e SET attempt = e.attempt + 1, state = 'queued', queued_at = coalesce($4, now()),
+                        lease_owner = NULL, lease_until = NULL
+FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[]) AS b(execution_id, scheduled_for, attempt)
+WHERE e.execution_id = b.execution_id AND e.scheduled_for = b.scheduled_for
+  AND e.attempt = b.attempt AND e.state IN ('queued', 'running')
+RETURNING e.execution_id, e.attempt;

@@ -1,0 +1,39 @@
+"""The sweeper's reads and its attempt bump."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+import msgspec
+
+from storage.db import Database
+from storage.sql import q
+
+
+class Unfinished(msgspec.Struct, frozen=True, kw_only=True):
+    execution_id: uuid.UUID
+    job_id: uuid.UUID
+    tenant_id: uuid.UUID
+    scheduled_for: datetime
+    attempt: int
+    state: str
+    pool: str
+    payload: str
+    timeout_s: int
+    max_attempts: int
+    backoff_s: float
+
+
+async def unfinished(db: Database, queued_before: datetime, limit: int) -> list[Unfinished]:
+    async with db.connection() as conn:
+        rows = await conn.fetch(q("unfinished_executions"), queued_before, limit)
+    return [Unfinished(**dict(r)) for r in rows]
+
+
+async def bump(db: Database, rows: list[Unfinished], now: datetime | None) -> dict[uuid.UUID, int]:
+    """Attempt + 1 for each row still at its attempt; returns execution_id -> new attempt."""
+    async with db.connection() as conn:
+        out = await conn.fetch(q("bump_attempts"), [r.execution_id for r in rows],
+                               [r.scheduled_for for r in rows], [r.attempt for r in rows], now)
+    return {r["execution_id"]: r["attempt"] for r in out}

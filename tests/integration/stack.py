@@ -1,0 +1,35 @@
+"""Helpers for tests that drive the scheduler tier: move time, read streams, submit."""
+
+from __future__ import annotations
+
+from actors.base import Tick, sync
+from actors.scheduler import Scheduler
+from storage import keys
+from tests.integration.conftest import Api, make_job
+
+
+async def ready(redis_client, key_prefix: str, pool: str = "emails") -> list[dict]:
+    entries = await redis_client.xrange(keys.ready_stream(key_prefix, pool))
+    return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
+
+
+async def submit(api: Api, **overrides) -> dict:
+    resp = await api.submit(make_job(**overrides))
+    assert resp.status == 201, await resp.text()
+    return await resp.json()
+
+
+async def advance(clock, seconds: float, *nodes: Scheduler) -> None:
+    """Move time as it really passes: in steps, each node's coordinator renewing its leases."""
+    while seconds > 0:
+        step = min(seconds, 3.0)
+        clock.advance(step)
+        seconds -= step
+        await tick(*nodes)
+
+
+async def tick(*nodes: Scheduler) -> None:
+    """One coordinator pass on each node, in order."""
+    for node in nodes:
+        await node.coordinator.send(Tick())
+        await sync(node.coordinator)

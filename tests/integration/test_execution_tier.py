@@ -1,0 +1,338 @@
+"""The execution tier end to end: leases, retries, dead letters, history, sweeper, cancel.
+
+Workers here are played through storage.protocol (the same FCALLs any
+worker makes), so each step of a story is explicit. Retry times come from
+the Redis server's clock, so this module's fake clock starts at real time.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+
+import pytest
+
+from herdwick.clock import ManualClock
+from storage import keys
+from storage.protocol import Protocol
+from tests.integration.conftest import Api
+from tests.integration.stack import advance, ready, submit
+
+POOL = "emails"
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(datetime.now(UTC).replace(microsecond=0))
+
+
+@pytest.fixture
+def protocol(redis_client, key_prefix) -> Protocol:
+    return Protocol(redis_client, key_prefix)
+
+
+async def lapse(redis_client, key_prefix: str, execution_id: str) -> None:
+    """Make a live lease look expired to the reaper: what a long GC pause does."""
+    hot = keys.hot_state(key_prefix, POOL, execution_id)
+    await redis_client.hset(hot, "lease_until", 1)
+    await redis_client.zadd(keys.pool_base(key_prefix, POOL) + ":leases", {execution_id: 1})
+
+
+async def due_and_published(node, clock, seconds: float = 2) -> None:
+    await advance(clock, seconds, node)
+    await node.settle()
+
+
+async def latest(redis_client, key_prefix) -> dict:
+    return (await ready(redis_client, key_prefix))[-1]
+
+
+async def execution(api: Api, execution_id: str) -> dict:
+    resp = await api.client.get(f"/v1/executions/{execution_id}", headers=api.auth())
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def test_the_gc_pause_story(api, schedulers, protocol, redis_client, key_prefix,
+                                  clock) -> None:
+    job = await submit(api, schedule={"delaySeconds": 1},
+                       retry={"maxAttempts": 3, "backoffSeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    first = await latest(redis_client, key_prefix)
+    eid = first["execution_id"]
+
+    # Worker A leases attempt 1, then stops heartbeating past its lease (a GC pause).
+    assert await protocol.lease(POOL, "worker-a", 30, eid, 1) is not None
+    await node.settle_events()
+    assert (await execution(api, eid))["state"] == "running"
+    await lapse(redis_client, key_prefix, eid)
+
+    # The reaper counts the lapsed lease as a failed attempt; attempt 2 is re-queued.
+    assert await node.reaper.run_once() == 1
+    await node.settle_events()
+    assert (await execution(api, eid))["state"] == "retry_wait"
+    await due_and_published(node, clock, 3)
+    second = await latest(redis_client, key_prefix)
+    assert (second["execution_id"], second["attempt"]) == (eid, "2")
+
+    # Worker B takes attempt 2 and completes it.
+    assert await protocol.lease(POOL, "worker-b", 30, eid, 2) is not None
+    assert await protocol.complete(POOL, eid, 2, "worker-b", '{"sent": true}') is True
+
+    # A wakes up: its heartbeat and its complete are refused.
+    assert await protocol.heartbeat(POOL, eid, 1, "worker-a", 30) is None
+    assert await protocol.complete(POOL, eid, 1, "worker-a", '{"sent": true}') is False
+
+    await node.settle_events()
+    got = await execution(api, eid)
+    assert got["jobId"] == job["jobId"]
+    assert (got["state"], got["attempt"], got["result"]) == ("succeeded", 2, {"sent": True})
+    assert [(a["attempt"], a["workerId"], a["outcome"]) for a in got["attempts"]] == [
+        (1, "worker-a", "expired"), (2, "worker-b", "succeeded")]
+    assert got["attempts"][0]["error"] == {"message": "lease expired"}
+    one_off = await (await api.client.get(f"/v1/jobs/{job['jobId']}", headers=api.auth())).json()
+    assert one_off["state"] == "completed"
+
+
+async def test_a_poison_job_reaches_dead_letters_with_growing_gaps(
+        api, schedulers, protocol, redis_client, key_prefix, clock) -> None:
+    await submit(api, schedule={"delaySeconds": 1}, retry={"maxAttempts": 3, "backoffSeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    gaps = []
+    for attempt in (1, 2, 3):
+        assert await protocol.lease(POOL, "w", 30, eid, attempt) is not None
+        reply = await protocol.fail(POOL, eid, attempt, "w",
+                                    json.dumps({"type": "Boom", "message": f"try {attempt}"}),
+                                    True)
+        await node.settle_events()
+        if attempt < 3:
+            gaps.append(reply)
+            await due_and_published(node, clock, 2 ** attempt + 1)
+            assert (await latest(redis_client, key_prefix))["attempt"] == str(attempt + 1)
+        else:
+            assert reply == "DEAD"
+    events = await redis_client.xrange(keys.events_stream(key_prefix, POOL))
+    assert events == []  # applied and acked: the events stream stays bounded
+    got = await execution(api, eid)
+    assert got["state"] == "dead" and got["error"]["message"] == "try 3"
+    assert [a["outcome"] for a in got["attempts"]] == ["failed"] * 3
+    dead = await (await api.client.get("/v1/dead-letters", headers=api.auth())).json()
+    assert [d["executionId"] for d in dead["items"]] == [eid]
+
+    # Replay: the same execution runs again with the next attempt.
+    resp = await api.client.post(f"/v1/executions/{eid}:retry", headers=api.auth())
+    assert resp.status == 202
+    await due_and_published(node, clock, 1)
+    replayed = await latest(redis_client, key_prefix)
+    assert (replayed["execution_id"], replayed["attempt"]) == (eid, "4")
+    again = await api.client.post(f"/v1/executions/{eid}:retry", headers=api.auth())
+    assert again.status == 409
+
+
+async def test_retry_delays_grow_exponentially_within_their_window(
+        api, schedulers, protocol, redis_client, key_prefix, clock) -> None:
+    await submit(api, schedule={"delaySeconds": 1}, retry={"maxAttempts": 5, "backoffSeconds": 4})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    for attempt in (1, 2, 3):
+        await protocol.lease(POOL, "w", 30, eid, attempt)
+        retry_at_ms = await protocol.fail(POOL, eid, attempt, "w", '{"message": "x"}', True)
+        [(_, fields)] = (await redis_client.xrange(keys.events_stream(key_prefix, POOL)))[-1:]
+        failed_at_ms = int(fields[b"at_ms"])
+        d_ms = 4000 * 2 ** (attempt - 1)
+        assert d_ms / 2 <= retry_at_ms - failed_at_ms <= d_ms
+        await node.settle_events()
+        await due_and_published(node, clock, d_ms / 1000 + 1)
+
+
+async def test_a_permanent_failure_dead_letters_at_once(api, schedulers, protocol, redis_client,
+                                                        key_prefix, clock) -> None:
+    await submit(api, schedule={"delaySeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    await protocol.lease(POOL, "w", 30, eid, 1)
+    assert await protocol.fail(POOL, eid, 1, "w", '{"message": "bad input"}', False) == "DEAD"
+    await node.settle_events()
+    assert (await execution(api, eid))["state"] == "dead"
+
+
+async def test_replaying_a_batch_of_events_changes_nothing(api, schedulers, protocol,
+                                                           redis_client, key_prefix, clock,
+                                                           db) -> None:
+    from actors.executions import GROUP, collapse
+    from herdwick.ids import shard_of
+    from storage import executions as store
+
+    await submit(api, schedule={"delaySeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    await protocol.lease(POOL, "w", 30, eid, 1)
+    await protocol.complete(POOL, eid, 1, "w", '{"n": 1}')
+    await node.events.refresh_pools()
+    # The event actor commits a batch and dies before its ack: the batch is read again.
+    events = await protocol.read_events(POOL, GROUP, "crashy", 100, None)
+    updates, attempts = collapse(events)
+    for _ in range(2):
+        await store.apply(db, updates, attempts, clock.now(), shard_of, lambda *_: None)
+    replayed = await protocol.read_events(POOL, GROUP, "crashy", 100, None, from_id="0")
+    assert [e.stream_id for e in replayed] == [e.stream_id for e in events]
+    updates, attempts = collapse(replayed)
+    changed = await store.apply(db, updates, attempts, clock.now(), shard_of, lambda *_: None)
+    assert changed.changed == 0
+    async with db.connection() as conn:
+        rows = await conn.fetch("SELECT state, attempt FROM executions")
+        attempt_rows = await conn.fetchval("SELECT count(*) FROM execution_attempts")
+    assert [(r["state"], r["attempt"]) for r in rows] == [("succeeded", 1)]
+    assert attempt_rows == 1
+
+
+async def test_the_sweeper_republishes_what_a_crash_left_unpublished(
+        api, schedulers, redis_client, key_prefix, clock) -> None:
+    await submit(api, schedule={"delaySeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    lost = await latest(redis_client, key_prefix)
+    # As if the scheduler died between its commit and its publish: no hot state, no message.
+    await redis_client.delete(keys.hot_state(key_prefix, POOL, lost["execution_id"]),
+                              keys.ready_stream(key_prefix, POOL))
+    assert await node.sweeper.run_once() == 0  # within the grace period: maybe still publishing
+    clock.advance(31)
+    assert await node.sweeper.run_once() == 1
+    await node.settle()
+    again = await latest(redis_client, key_prefix)
+    assert (again["execution_id"], again["attempt"]) == (lost["execution_id"], "2")
+
+
+async def test_redis_losing_everything_is_swept_at_once(api, schedulers, protocol, redis_client,
+                                                        key_prefix, clock, db) -> None:
+    jobs = [await submit(api, name=f"j{i}", schedule={"delaySeconds": 1}) for i in range(5)]
+    node = await schedulers()
+    await due_and_published(node, clock)
+    held = await latest(redis_client, key_prefix)
+    await protocol.lease(POOL, "old-worker", 30, held["execution_id"], 1)
+    await node.settle_events()
+    # Redis restarts empty (only this test's keys: the server is shared).
+    found = [k async for k in redis_client.scan_iter(match=f"{key_prefix}:*")]
+    await redis_client.delete(*found)
+    assert await node.sweeper.run_once() == 5  # no grace: the epoch key says Redis is new
+    await node.settle()
+    entries = await ready(redis_client, key_prefix)
+    assert sorted(e["job_id"] for e in entries) == sorted(j["jobId"] for j in jobs)
+    assert {e["attempt"] for e in entries} == {"2"}
+    # The worker that held attempt 1 across the restart is fenced out.
+    assert await protocol.complete(POOL, held["execution_id"], 1, "old-worker", "{}") is False
+    for entry in entries:
+        assert await protocol.lease(POOL, "new", 30, entry["execution_id"], 2) is not None
+        assert await protocol.complete(POOL, entry["execution_id"], 2, "new", "{}") is True
+    await node.settle_events()
+    async with db.connection() as conn:
+        states = await conn.fetch("SELECT state, attempt FROM executions")
+    assert [(r["state"], r["attempt"]) for r in states] == [("succeeded", 2)] * 5
+
+
+async def test_cancel_while_running_tells_the_worker(api, schedulers, protocol, redis_client,
+                                                     key_prefix, clock) -> None:
+    job = await submit(api, schedule={"delaySeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    await protocol.lease(POOL, "w", 30, eid, 1)
+    await node.settle_events()
+    assert (await api.client.delete(f"/v1/jobs/{job['jobId']}", headers=api.auth())).status == 204
+    assert await protocol.heartbeat(POOL, eid, 1, "w", 30) is None
+    await node.settle_events()
+    assert (await execution(api, eid))["state"] == "canceled"
+
+
+async def test_pause_while_running_lets_the_attempt_finish(api, schedulers, protocol,
+                                                           redis_client, key_prefix,
+                                                           clock) -> None:
+    job = await submit(api, schedule={"cron": "* * * * *"})
+    node = await schedulers()
+    await due_and_published(node, clock, 61)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    await protocol.lease(POOL, "w", 30, eid, 1)
+    await api.client.post(f"/v1/jobs/{job['jobId']}:pause", headers=api.auth())
+    assert await protocol.complete(POOL, eid, 1, "w", "{}") is True
+    await node.settle_events()
+    assert (await execution(api, eid))["state"] == "succeeded"
+    await due_and_published(node, clock, 120)
+    assert len(await ready(redis_client, key_prefix)) == 1  # nothing new while paused
+
+
+async def test_overlap_forbid_waits_for_the_running_occurrence(api, schedulers, protocol,
+                                                               redis_client, key_prefix,
+                                                               clock, db) -> None:
+    job = await submit(api, schedule={"cron": "* * * * *", "overlap": "forbid"})
+    node = await schedulers()
+    await due_and_published(node, clock, 61)
+    [first] = await ready(redis_client, key_prefix)
+    await protocol.lease(POOL, "w", 300, first["execution_id"], 1)
+    await due_and_published(node, clock, 120)
+    assert len(await ready(redis_client, key_prefix)) == 1  # still running: nothing new
+    await protocol.complete(POOL, first["execution_id"], 1, "w", "{}")
+    await node.settle_events()
+    async with db.connection() as conn:
+        nxt = await conn.fetchval("SELECT next_run_at FROM due_index WHERE job_id = $1",
+                                  uuid.UUID(job["jobId"]))
+    assert nxt is not None and nxt > clock.now()
+    await due_and_published(node, clock, 61)
+    assert len(await ready(redis_client, key_prefix)) == 2
+
+
+async def test_overlap_replace_cancels_the_running_occurrence(api, schedulers, protocol,
+                                                              redis_client, key_prefix,
+                                                              clock) -> None:
+    await submit(api, schedule={"cron": "* * * * *", "overlap": "replace"})
+    node = await schedulers()
+    await due_and_published(node, clock, 61)
+    [first] = await ready(redis_client, key_prefix)
+    await protocol.lease(POOL, "w", 300, first["execution_id"], 1)
+    await due_and_published(node, clock, 60)
+    entries = await ready(redis_client, key_prefix)
+    assert len(entries) == 2
+    assert await protocol.heartbeat(POOL, first["execution_id"], 1, "w", 300) is None
+    assert (await execution(api, first["execution_id"]))["state"] == "canceled"
+
+
+async def test_trigger_runs_once_now_outside_the_schedule(api, schedulers, redis_client,
+                                                          key_prefix, clock, db) -> None:
+    job = await submit(api, schedule={"cron": "0 0 1 1 *"})
+    node = await schedulers()
+    resp = await api.client.post(f"/v1/jobs/{job['jobId']}:trigger", headers=api.auth())
+    assert resp.status == 202
+    eid = (await resp.json())["executionId"]
+    await due_and_published(node, clock, 1)
+    [entry] = await ready(redis_client, key_prefix)
+    assert (entry["execution_id"], entry["attempt"]) == (eid, "1")
+    got = await (await api.client.get(f"/v1/jobs/{job['jobId']}", headers=api.auth())).json()
+    assert got["nextRunAt"] == job["nextRunAt"]  # the schedule did not move
+
+
+async def test_history_is_newest_first_and_keyset_paginated(api, schedulers, redis_client,
+                                                            key_prefix, clock) -> None:
+    job = await submit(api, schedule={"cron": "* * * * *"})
+    node = await schedulers()
+    for _ in range(4):
+        await due_and_published(node, clock, 60)
+    path = f"/v1/jobs/{job['jobId']}/executions"
+    seen, cursor = [], None
+    while True:
+        params = {"limit": "3", **({"cursor": cursor} if cursor else {})}
+        page = await (await api.client.get(path, params=params, headers=api.auth())).json()
+        seen += [e["scheduledFor"] for e in page["items"]]
+        cursor = page["nextCursor"]
+        if cursor is None:
+            break
+    assert len(seen) == 4 and seen == sorted(seen, reverse=True)
+    bad = await api.client.get(path, params={"cursor": "nope"}, headers=api.auth())
+    assert bad.status == 422
+    other = (await api.create_tenant("other"))["apiKey"]
+    assert (await api.client.get(path, headers=api.auth(other))).status == 404
