@@ -30,6 +30,7 @@ log = logging.getLogger("herdwick.executions")
 
 GROUP = "scheduler"
 READ_COUNT = 2_000
+STALE_MS = 30_000  # a consumer that has not acked for this long is taken to be dead
 IDLE_POLL_S = 0.05  # after an empty pass; a busy stream is read back to back
 _schedule_decoder = msgspec.json.Decoder(Schedule)
 
@@ -134,6 +135,8 @@ class ExecutionEvents(Actor):
         self._db_now = db_now
         self._pools: list[str] = []
         self._busy = False
+        # After a restart, first re-read what this consumer had read but not acked.
+        self._replay = True
         self.applied = 0  # events applied; read by tests and reports
 
     def idle_timeout(self) -> float | None:
@@ -145,6 +148,7 @@ class ExecutionEvents(Actor):
     async def handle(self, msg: object | None) -> None:
         if isinstance(msg, Tick):
             await self.refresh_pools()
+            await self.claim_stale()
         self._busy = await self.run_once() > 0
 
     async def refresh_pools(self) -> None:
@@ -157,12 +161,30 @@ class ExecutionEvents(Actor):
         """Read one batch from every pool, apply it in one transaction, then ack it."""
         if not self._pools:
             return 0
+        events = await self._read("0") if self._replay else []
+        if not events:
+            self._replay = False
+            events = await self._read(">")
+        return await self._apply(events) if events else 0
+
+    async def _read(self, from_id: str) -> list[tuple[str, Event]]:
         events: list[tuple[str, Event]] = []
         for pool in self._pools:
-            got = await self._protocol.read_events(pool, GROUP, self._node_id, READ_COUNT, None)
+            got = await self._protocol.read_events(pool, GROUP, self._node_id, READ_COUNT, None,
+                                                   from_id=from_id)
             events += [(pool, e) for e in got]
-        if not events:
-            return 0
+        return events
+
+    async def claim_stale(self) -> int:
+        """Take over what a dead node's consumer read and never applied."""
+        events: list[tuple[str, Event]] = []
+        for pool in self._pools:
+            got = await self._protocol.claim_stale_events(pool, GROUP, self._node_id, STALE_MS,
+                                                          READ_COUNT)
+            events += [(pool, e) for e in got]
+        return await self._apply(events) if events else 0
+
+    async def _apply(self, events: list[tuple[str, Event]]) -> int:
         updates, attempts = collapse([e for _, e in events])
         now = None if self._db_now else self.clock.now()
         await store.apply(self._db, updates, attempts, now, shard_of,

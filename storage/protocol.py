@@ -221,6 +221,27 @@ class Protocol:
             await self.ack_events(pool, group, [_text(i) for i in trimmed])
         return events
 
+    async def claim_stale_events(self, pool: str, group: str, consumer: str, min_idle_ms: int,
+                                 count: int) -> list[Event]:
+        """XAUTOCLAIM events another consumer read but never acked (its node died)."""
+        stream = keys.events_stream(self.prefix, pool)
+        with _unavailable("xautoclaim"):
+            try:
+                reply = await self.client.xautoclaim(stream, group, consumer, min_idle_ms,
+                                                     start_id="0-0", count=count)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                return []
+        events = []
+        for stream_id, fields in reply[1]:
+            if not fields:
+                continue
+            decoded = {_text(k): _text(v) for k, v in fields.items()}
+            decoded["stream_id"] = _text(stream_id)
+            events.append(msgspec.convert(decoded, Event, strict=False))
+        return events
+
     async def ack_events(self, pool: str, group: str, ids: Sequence[str]) -> int:
         """XACK after the events are committed, then XDEL them, in one round trip.
 

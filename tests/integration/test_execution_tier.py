@@ -336,3 +336,26 @@ async def test_history_is_newest_first_and_keyset_paginated(api, schedulers, red
     assert bad.status == 422
     other = (await api.create_tenant("other"))["apiKey"]
     assert (await api.client.get(path, headers=api.auth(other))).status == 404
+
+
+async def test_a_dead_nodes_unapplied_events_are_claimed_and_applied(
+        api, schedulers, protocol, redis_client, key_prefix, clock, db) -> None:
+    from actors.executions import GROUP, STALE_MS
+
+    await submit(api, schedule={"delaySeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    await protocol.lease(POOL, "w", 30, eid, 1)
+    await protocol.complete(POOL, eid, 1, "w", "{}")
+    await node.events.refresh_pools()
+    # Another node's consumer read the events and died before applying them.
+    taken = await protocol.read_events(POOL, GROUP, "dead-node", 100, None)
+    assert len(taken) == 2
+    assert await node.settle_events() == 0  # they are the dead consumer's, not new
+    assert await node.events.claim_stale() == 0  # not idle long enough yet
+    stream = keys.events_stream(key_prefix, POOL)
+    await redis_client.xclaim(stream, GROUP, "dead-node", 0, [e.stream_id for e in taken],
+                              idle=STALE_MS + 1)
+    assert await node.events.claim_stale() == 2
+    assert (await execution(api, eid))["state"] == "succeeded"
