@@ -21,7 +21,6 @@ log = logging.getLogger("herdwick.cli")
 
 NOT_YET = {
     "http-worker": "the http worker pool",
-    "worker": "the worker SDK",
 }
 
 
@@ -48,8 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="shard coordinator, shard actors, dispatch, pool queues")
     sub.add_parser("http-worker", parents=[config],
                    help="the built-in http worker pool (not yet implemented)")
-    worker = sub.add_parser("worker", parents=[config],
-                            help="run a herdwick.Worker from user code (not yet implemented)")
+    worker = sub.add_parser("worker",
+                            help="run a herdwick.Worker from user code until SIGINT/SIGTERM")
     worker.add_argument("target", metavar="MODULE:ATTR")
     tenant = sub.add_parser("tenant", help="manage tenants")
     tenant_sub = tenant.add_subparsers(dest="tenant_command", required=True, metavar="ACTION")
@@ -209,9 +208,11 @@ async def _api(settings: Settings) -> int:
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
-    from loadtest import submit
+    if args.loadtest_command == "submit":
+        from loadtest import submit
 
-    return _run(submit.command(args))
+        return _run(submit.command(args))
+    raise AssertionError(f"no loadtest action {args.loadtest_command!r}")  # argparse checked
 
 
 async def _scheduler(settings: Settings) -> int:
@@ -233,6 +234,38 @@ async def _dev(settings: Settings) -> int:
     stop = asyncio.Event()
     _stop_on_signals(stop)
     return await run_dev(settings, stop)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Import MODULE:ATTR, a herdwick.Worker, and run it; SIGINT/SIGTERM drain it and exit."""
+    import importlib
+    import os
+
+    from herdwick.worker import Worker
+
+    module_name, _, attr = args.target.partition(":")
+    if not module_name or not attr:
+        print("herdwick worker: the target must be MODULE:ATTR", file=sys.stderr)
+        return 2
+    if os.getcwd() not in sys.path:  # as with `python -m`: the user's modules are in the cwd
+        sys.path.insert(0, os.getcwd())
+    try:
+        worker = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        print(f"herdwick worker: cannot load {args.target}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(worker, Worker):
+        print(f"herdwick worker: {args.target} is a {type(worker).__name__}, "
+              "not a herdwick.Worker", file=sys.stderr)
+        return 2
+    return _run(_worker(worker))
+
+
+async def _worker(worker: Any) -> int:
+    stop = asyncio.Event()
+    _stop_on_signals(stop)
+    await worker.run(stop)
+    return 0
 
 
 def _production(fn: Callable[..., Coroutine[Any, Any, int]],
@@ -263,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "tenant": _production(_tenant_create, database_only=True),
         "dev": lambda a: _run(_dev(_settings(a))),
         "loadtest": cmd_loadtest,
+        "worker": cmd_worker,
     }
     try:
         return commands[args.command](args)

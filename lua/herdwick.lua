@@ -28,7 +28,7 @@ tenant_id, scheduled_for, worker_id, at_ms, and by type:
   completed  result (JSON text as the worker gave it)
   failed     error (JSON text), retryable ('0'|'1'), outcome ('retry'|'dead'),
              retry_at_ms (only when outcome is retry)
-  expired    as failed; error {"message":"lease expired"}, retryable '1',
+  expired    as failed; error {"type":"LeaseExpired","message":"lease expired"}, retryable '1',
              worker_id the owner whose lease lapsed
   canceled   nothing more (worker_id is the holder's, '' if none)
 ]]
@@ -39,7 +39,7 @@ local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- still meets its execution (and gets LEASE_LOST), then they go.
 local TERMINAL_TTL_MS = 3600 * 1000
 local RETRY_CAP_MS = 3600 * 1000
-local EXPIRED_ERROR = '{"message":"lease expired"}'
+local EXPIRED_ERROR = '{"type":"LeaseExpired","message":"lease expired"}'
 local PUBLISH_FIELDS = 10
 
 --[[
@@ -345,7 +345,7 @@ hw_expire  KEYS[1] = P:{pool}
            ARGV = limit (executions per call, >= 1)
 The reaper's call, about once a second. Each lease in P:{pool}:leases due by
 now whose execution is still leased and lapsed becomes a failed attempt,
-exactly as hw_fail with retryable '1' and error {"message":"lease expired"}
+exactly as hw_fail with retryable '1' and error {"type":"LeaseExpired","message":"lease expired"}
 (retry or dead by max_attempts), XADDed as `expired` with the lapsed owner
 as worker_id. Entries of executions no longer leased are dropped.
 Reply: array of the execution ids expired (at most limit).

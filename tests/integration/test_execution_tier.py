@@ -91,7 +91,7 @@ async def test_the_gc_pause_story(api, schedulers, protocol, redis_client, key_p
     assert (got["state"], got["attempt"], got["result"]) == ("succeeded", 2, {"sent": True})
     assert [(a["attempt"], a["workerId"], a["outcome"]) for a in got["attempts"]] == [
         (1, "worker-a", "expired"), (2, "worker-b", "succeeded")]
-    assert got["attempts"][0]["error"] == {"message": "lease expired"}
+    assert got["attempts"][0]["error"] == {"type": "LeaseExpired", "message": "lease expired"}
     one_off = await (await api.client.get(f"/v1/jobs/{job['jobId']}", headers=api.auth())).json()
     assert one_off["state"] == "completed"
 

@@ -272,8 +272,16 @@ async def test_openapi_documents_every_route(api: Api) -> None:
                          ("GET", "/v1/jobs/{jobId}"), ("DELETE", "/v1/jobs/{jobId}"),
                          ("POST", "/v1/jobs/{jobId}:pause"), ("POST", "/v1/jobs/{jobId}:resume"),
                          ("POST", "/v1/tenants"), ("PATCH", "/v1/tenants/{tenantId}"),
-                         ("GET", "/healthz"), ("GET", "/readyz")]:
+                         ("POST", "/v1/tenants/{tenantId}:rotate-secret"),
+                         ("POST", "/v1/jobs/{jobId}:trigger"),
+                         ("GET", "/v1/jobs/{jobId}/executions"),
+                         ("GET", "/v1/executions/{executionId}"),
+                         ("POST", "/v1/executions/{executionId}:retry"),
+                         ("GET", "/v1/dead-letters"),
+                         ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/openapi.json")]:
         assert (method, path) in ops
+    assert set(doc["components"]["schemas"]) >= {"Execution", "ExecutionPage", "Attempt",
+                                                 "Problem", "JobSpec", "Job"}
     spec = doc["components"]["schemas"]["JobSpec"]
     assert set(spec["required"]) == {"name", "target", "schedule"}
     assert spec["additionalProperties"] is False

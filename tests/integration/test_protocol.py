@@ -220,7 +220,8 @@ async def test_a_lapsed_lease_expires_as_a_failed_attempt(proto, publish, redis_
     expired = [e for e in await events(proto) if e.type == "expired"]
     assert [(e.execution_id, e.worker_id, json.loads(e.error), e.retryable, e.outcome)
             for e in expired] == [(stalled.execution_id, "worker-a",
-                                   {"message": "lease expired"}, True, "retry")]
+                                   {"type": "LeaseExpired", "message": "lease expired"},
+                                   True, "retry")]
     assert expired[0].retry_at_ms is not None
 
 

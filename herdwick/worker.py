@@ -1,0 +1,660 @@
+"""The worker SDK (CONTRACT.md "Worker protocol"): run an async handler on a pool's executions.
+
+    worker = herdwick.Worker("redis://127.0.0.1:6379/0", "emails", concurrency=10)
+
+    @worker.handler
+    async def send(ctx: herdwick.Context) -> dict:
+        ...                      # ctx.payload, ctx.attempt, ctx.idempotency_key, ...
+        return {"sent": True}    # return = complete; raise = fail; raise Permanent = dead
+
+    await worker.run()           # until worker.stop(), or the `stop` event given to run()
+
+Who owns what: the read loop alone reads the ready stream, claims messages
+whose reader died and counts free slots (`_free`); every execution task
+releases its slot when it ends. Each leased attempt runs as one task
+(`_Execution`) that owns its handler task, its lease keeper and its report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import random
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from storage import keys
+
+log = logging.getLogger("herdwick.worker")
+
+DEFAULT_CONCURRENCY = 10
+DEFAULT_LEASE_S = 30.0
+DEFAULT_GRACE_S = 30.0
+READ_BLOCK_MS = 1000  # longest XREADGROUP BLOCK (stop() wakes it sooner: _Reader)
+READ_RETRY_S = 1.0  # pause after a failed read before the next
+UNBLOCK_RETRY_S = 0.05  # stop() re-sends CLIENT UNBLOCK this often until the read returns
+ERROR_MESSAGE_MAX_BYTES = 4096
+MAX_PIPELINE = 1000  # calls per pipeline: bounds one round trip, and the server's time on it
+REPORT_ATTEMPTS = 3  # complete/fail are fenced, so resending one is safe
+REPORT_RETRY_S = 0.2
+SETTLE_S = 5.0  # how long a cancelled handler may take to unwind before it is abandoned
+
+Handler = Callable[["Context"], Awaitable[Any]]
+
+_LEASE_LOST = "LEASE_LOST"
+_encode = msgspec.json.Encoder().encode
+
+
+class Permanent(Exception):
+    """Raise from a handler to fail the attempt without retry: it dead-letters at once."""
+
+
+class LeaseLost(Exception):
+    """The attempt's lease is gone (expired, taken over, canceled): stop working on it."""
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _status(reply: Any) -> str | None:
+    return _text(reply) if isinstance(reply, bytes | str) else None
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of the ready stream; the fields a lease needs are checked before leasing."""
+
+    message_id: str
+    execution_id: str
+    attempt: int
+    fields: dict[str, str]
+
+    @classmethod
+    def parse(cls, message_id: bytes | str, raw: dict | None) -> _Message | None:
+        fields = {_text(k): _text(v) for k, v in (raw or {}).items()}
+        try:
+            return cls(message_id=_text(message_id), execution_id=fields["execution_id"],
+                       attempt=int(fields["attempt"]), fields=fields)
+        except (KeyError, ValueError):
+            return None
+
+
+class _Pipeline:
+    """Coalesces concurrent FCALLs into one pipeline per round trip.
+
+    Execution tasks await `call()`; `run()`, a task owned by Worker.run, sends
+    whatever queued while the previous pipeline was in flight. Heartbeats and
+    reports so cost O(1) round trips per batch rather than per job, and one
+    connection whatever the concurrency (redis-py's pool refuses, rather than
+    queues, past its connection limit).
+    """
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._client = client
+        self._queue: list[tuple[tuple, asyncio.Future]] = []  # appended by call(), taken by run()
+        self._wake = asyncio.Event()
+
+    async def call(self, *args: Any) -> Any:
+        """FCALL args...; a Redis error reply or a failed round trip raises RedisError."""
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((args, future))
+        self._wake.set()
+        return await future
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch = self._queue[:MAX_PIPELINE]
+                del self._queue[:MAX_PIPELINE]
+                await self._send(batch)
+
+    async def _send(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for args, _ in batch:
+            pipe.fcall(*args)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            replies = [exc] * len(batch)
+        except BaseException:  # cancelled at shutdown: nobody is left to answer them
+            for _, future in batch:
+                future.cancel()
+            raise
+        for (_, future), reply in zip(batch, replies, strict=True):
+            if future.done():  # its caller was cancelled
+                continue
+            if isinstance(reply, Exception):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
+
+
+class _Calls:
+    """The worker-side FCALLs on one pool, as the contract lists them; LEASE_LOST is None."""
+
+    def __init__(self, client: aioredis.Redis, pipeline: _Pipeline, base: str, worker_id: str,
+                 lease_s: float) -> None:
+        self.client = client
+        self.pipeline = pipeline
+        self.base = base
+        self.worker_id = worker_id
+        self.lease_arg = f"{lease_s:g}"
+
+    async def lease_many(self, messages: list[_Message]) -> list[int | Exception | None]:
+        """One pipeline for a batch; a per-message error reply comes back as the exception."""
+        pipe = self.client.pipeline(transaction=False)
+        for m in messages:
+            pipe.fcall("hw_lease", 1, self.base, self.worker_id, self.lease_arg,
+                       m.execution_id, m.attempt)
+        replies = await pipe.execute(raise_on_error=False)
+        return [r if isinstance(r, Exception) else self._until(r) for r in replies]
+
+    async def heartbeat(self, execution_id: str, attempt: int) -> int | None:
+        return self._until(await self.pipeline.call(
+            "hw_heartbeat", 1, self.base, execution_id, attempt, self.worker_id, self.lease_arg))
+
+    async def complete(self, execution_id: str, attempt: int, result_json: bytes) -> str:
+        reply = await self.pipeline.call("hw_complete", 1, self.base, execution_id, attempt,
+                                         self.worker_id, result_json)
+        return "lease_lost" if _status(reply) == _LEASE_LOST else "completed"
+
+    async def fail(self, execution_id: str, attempt: int, error_json: bytes,
+                   retryable: bool) -> str:
+        """-> "retry", "dead" or "lease_lost"."""
+        reply = await self.pipeline.call("hw_fail", 1, self.base, execution_id, attempt,
+                                         self.worker_id, error_json, int(retryable))
+        status = _status(reply)
+        if status == _LEASE_LOST:
+            return "lease_lost"
+        return "dead" if status == "DEAD" else "retry"
+
+    @staticmethod
+    def _until(reply: Any) -> int | None:
+        if _status(reply) == _LEASE_LOST:
+            return None
+        return int(reply)
+
+
+class _Lease:
+    """The lease on one attempt, renewed by its keeper task and by ctx.heartbeat().
+
+    `lost` only ever goes from False to True. The local deadline is counted
+    from when the last successful call was sent, so it never outlives the
+    server's: once it passes without a renewal the outcome is unknown, and
+    we step down (STYLE.md: losing a lease is the default).
+    """
+
+    def __init__(self, calls: _Calls, message: _Message, lease_s: float, sent_at: float) -> None:
+        self._calls = calls
+        self._message = message
+        self._lease_s = lease_s
+        self.deadline = sent_at + lease_s  # loop.time()
+        self.lost = False
+
+    async def renew(self) -> None:
+        if self.lost:
+            raise LeaseLost(self._message.execution_id)
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()
+        until = await self._calls.heartbeat(self._message.execution_id, self._message.attempt)
+        if until is None:
+            self.lost = True
+            raise LeaseLost(self._message.execution_id)
+        self.deadline = max(self.deadline, sent_at + self._lease_s)
+
+    async def keep(self, work: asyncio.Task, interval_s: float) -> None:
+        """Renew every interval until cancelled; cancel `work` once the lease is lost."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(interval_s, max(0.0, self.deadline - loop.time())))
+            if loop.time() >= self.deadline:
+                self.lost = True
+                log.warning("event=lease_lapsed execution_id=%s attempt=%d",
+                            self._message.execution_id, self._message.attempt)
+            else:
+                try:
+                    await self.renew()
+                except LeaseLost:
+                    pass
+                except RedisError as exc:
+                    log.warning("event=heartbeat_failed execution_id=%s error=%s",
+                                self._message.execution_id, exc)
+            if self.lost:
+                log.info("event=lease_lost execution_id=%s attempt=%d",
+                         self._message.execution_id, self._message.attempt)
+                work.cancel()
+                return
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Context:
+    """What a handler gets: one attempt of one execution."""
+
+    payload: Any  # the job's payload, decoded from JSON
+    attempt: int  # from 1; the fencing token
+    execution_id: str
+    job_id: str
+    tenant_id: str
+    idempotency_key: str  # job_id + ":" + scheduled_for: the same on every attempt
+    scheduled_for: datetime  # aware, UTC
+    timeout_s: float  # the handler is cancelled and failed past this
+    _lease: _Lease = field(repr=False)
+
+    async def heartbeat(self) -> None:
+        """Extend the lease now (it is also extended every lease/3); raises LeaseLost if lost."""
+        await self._lease.renew()
+
+    @classmethod
+    def build(cls, message: _Message, lease: _Lease) -> Context:
+        f = message.fields
+        return cls(payload=msgspec.json.decode(f["payload"]), attempt=message.attempt,
+                   execution_id=message.execution_id, job_id=f["job_id"],
+                   tenant_id=f["tenant_id"], idempotency_key=f["idempotency_key"],
+                   scheduled_for=datetime.fromisoformat(f["scheduled_for"]),
+                   timeout_s=float(f["timeout_seconds"]), _lease=lease)
+
+
+class _Completed(msgspec.Struct, frozen=True):
+    result_json: bytes
+
+
+class _Failed(msgspec.Struct, frozen=True):
+    error_json: bytes
+    retryable: bool
+
+
+def _error(kind: str, message: str) -> bytes:
+    data = message.encode()[:ERROR_MESSAGE_MAX_BYTES].decode(errors="ignore")
+    return _encode({"type": kind, "message": data})
+
+
+def _outcome_of(work: asyncio.Task) -> _Completed | _Failed:
+    """A finished handler task -> what to report. Cancellation is handled by the caller."""
+    exc = work.exception()
+    if exc is None:
+        try:
+            return _Completed(_encode(work.result()))
+        except (TypeError, msgspec.EncodeError) as bad:
+            # A deterministic bug, and the handler's side effects already ran: no retry.
+            return _Failed(_error("ResultNotSerializable", str(bad)), retryable=False)
+    return _Failed(_error(type(exc).__name__, str(exc)), retryable=not isinstance(exc, Permanent))
+
+
+class _Execution:
+    """One leased attempt: runs the handler under its lease and timeout, reports the outcome."""
+
+    def __init__(self, handler: Handler, calls: _Calls, message: _Message, lease: _Lease,
+                 heartbeat_s: float) -> None:
+        self._handler = handler
+        self._calls = calls
+        self._message = message
+        self._lease = lease
+        self._heartbeat_s = heartbeat_s
+
+    async def run(self) -> None:
+        try:
+            ctx = Context.build(self._message, self._lease)
+        except (KeyError, ValueError, msgspec.DecodeError) as exc:
+            await self._report(_Failed(_error("MalformedMessage", repr(exc)), retryable=False))
+            return
+        outcome = await self._supervise(ctx)
+        if outcome is not None and not self._lease.lost:
+            await self._report(outcome)
+
+    async def _supervise(self, ctx: Context) -> _Completed | _Failed | None:
+        """Run the handler with heartbeats; None when the lease was lost (nothing to report)."""
+        work = asyncio.create_task(self._handler(ctx), name=f"herdwick:{ctx.execution_id}")
+        keeper = asyncio.create_task(self._lease.keep(work, self._heartbeat_s))
+        try:
+            done, _ = await asyncio.wait({work}, timeout=ctx.timeout_s if ctx.timeout_s > 0
+                                         else None)
+        except asyncio.CancelledError:  # shutdown past its grace: the lease will lapse
+            await _settle(work)
+            raise
+        finally:
+            keeper.cancel()
+        if not done:
+            await _settle(work)
+            log.warning("event=handler_timeout execution_id=%s attempt=%d timeout_s=%g",
+                        ctx.execution_id, ctx.attempt, ctx.timeout_s)
+            return _Failed(_error("Timeout", f"handler ran over {ctx.timeout_s:g} s"),
+                           retryable=True)
+        if self._lease.lost:  # the outcome is no longer ours to report
+            if not work.cancelled():
+                work.exception()  # retrieved (a LeaseLost, most likely): not logged as lost
+            return None
+        if work.cancelled():  # by the handler itself: nothing it did is known to have finished
+            return _Failed(_error("Cancelled", "the handler was cancelled"), retryable=True)
+        return _outcome_of(work)
+
+    async def _report(self, outcome: _Completed | _Failed) -> None:
+        m = self._message
+        for attempt in range(1, REPORT_ATTEMPTS + 1):
+            try:
+                match outcome:
+                    case _Completed(result_json):
+                        said = await self._calls.complete(m.execution_id, m.attempt, result_json)
+                    case _Failed(error_json, retryable):
+                        said = await self._calls.fail(m.execution_id, m.attempt, error_json,
+                                                      retryable)
+            except RedisError as exc:
+                log.warning("event=report_failed execution_id=%s try=%d error=%s",
+                            m.execution_id, attempt, exc)
+                await asyncio.sleep(REPORT_RETRY_S * attempt * random.uniform(0.5, 1.0))
+                continue
+            # debug: one line per execution would cost more than the execution at 5,000/s
+            log.debug("event=execution_%s execution_id=%s attempt=%d", said, m.execution_id,
+                      m.attempt)
+            return
+        # The lease lapses and the reaper counts the attempt as failed.
+        log.error("event=report_abandoned execution_id=%s attempt=%d", m.execution_id, m.attempt)
+
+
+async def _settle(work: asyncio.Task) -> None:
+    """Cancel a handler task and give it SETTLE_S to unwind."""
+    work.cancel()
+    done, _ = await asyncio.wait({work}, timeout=SETTLE_S)
+    if done and not work.cancelled():
+        work.exception()  # retrieved, so asyncio does not log it as never retrieved
+    elif not done:
+        log.error("event=handler_ignores_cancel task=%s", work.get_name())
+
+
+class _Reader:
+    """XREADGROUP on a connection of its own, which stop() wakes with CLIENT UNBLOCK.
+
+    Why not cancel the blocked read: on Python 3.11 redis-py writes commands
+    under asyncio.wait_for, which swallows a cancel that lands as the write
+    completes, so the read runs out its BLOCK anyway; and a read cancelled
+    after the server answered strands its entries in the pending list.
+    Unblocked, XREADGROUP returns what it has (usually nothing) at once.
+    """
+
+    def __init__(self, client: aioredis.Redis, stream: str, worker_id: str) -> None:
+        self._control = client
+        self._conn = aioredis.Redis(connection_pool=client.connection_pool,
+                                    single_connection_client=True)
+        self._stream = stream
+        self._worker_id = worker_id
+        self._conn_id: int | None = None  # CLIENT ID of _conn; None after a failure, 0 denied
+
+    async def read(self, count: int, block_ms: int, stopping: asyncio.Event) -> list:
+        if self._conn_id is None:
+            try:
+                self._conn_id = await self._conn.client_id()
+            except ResponseError:  # an ACL without CLIENT: stop() waits out the BLOCK instead
+                self._conn_id = 0
+        read = asyncio.ensure_future(self._xreadgroup(count, block_ms))
+        stopped = asyncio.ensure_future(stopping.wait())
+        try:
+            await asyncio.wait({read, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        while self._conn_id and not read.done():  # stopping: wake it (again, if not blocked yet)
+            try:
+                await self._control.client_unblock(self._conn_id)
+            except RedisError:
+                break
+            await asyncio.wait({read}, timeout=UNBLOCK_RETRY_S)
+        try:
+            return await read
+        except RedisError:
+            self._conn_id = None  # redis-py may reconnect it under a new id
+            raise
+
+    async def _xreadgroup(self, count: int, block_ms: int) -> list:
+        reply = await self._conn.xreadgroup(keys.WORKERS_GROUP, self._worker_id,
+                                            {self._stream: ">"}, count=count, block=block_ms)
+        if isinstance(reply, dict):  # RESP3: {stream: [[entry, ...]]}
+            return [entry for batch in reply.values() for entry in batch[0]]
+        return [entry for _, batch in reply or [] for entry in batch]  # RESP2
+
+    async def close(self) -> None:
+        await self._conn.aclose()
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Worker:
+    """Leases a pool's executions from Redis and runs one async handler on each.
+
+    Run once: `await worker.run()` returns after `stop()` (or the `stop`
+    event), once in-flight handlers finished or their grace ran out.
+
+    concurrency: handlers running at once (and so messages leased at once).
+    key_prefix: the scheduler's HERDWICK_KEY_PREFIX. worker_id: the consumer
+    name and lease owner (default host:pid:random). lease_s: the lease each
+    attempt takes and renews every lease_s/3; messages idle longer than it
+    are claimed from dead readers. batch: most messages per read (default
+    concurrency). grace_s: how long stop() lets in-flight handlers finish.
+    redis: a client to use instead of one from redis_url (not closed here).
+    """
+
+    def __init__(self, redis_url: str, pool: str, concurrency: int = DEFAULT_CONCURRENCY, *,
+                 key_prefix: str = "hw", worker_id: str | None = None,
+                 lease_s: float = DEFAULT_LEASE_S, batch: int | None = None,
+                 grace_s: float = DEFAULT_GRACE_S, redis: aioredis.Redis | None = None) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if lease_s <= 0 or grace_s < 0:
+            raise ValueError("lease_s must be positive and grace_s not negative")
+        self.redis_url = redis_url
+        self.pool = pool
+        self.concurrency = concurrency
+        self.key_prefix = key_prefix
+        self.worker_id = worker_id or _default_worker_id()
+        self.lease_s = float(lease_s)
+        self.batch = min(batch or concurrency, concurrency)
+        self.grace_s = float(grace_s)
+        self._given_client = redis
+        self._handler: Handler | None = None
+        self._ready = keys.ready_stream(key_prefix, pool)
+        self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()  # set on stop and whenever a slot frees
+        self._done = asyncio.Event()
+        self._started = False
+        self._free = concurrency  # written by the read loop and by ending executions
+        self._tasks: set[asyncio.Task] = set()  # owned by run(): drained or cancelled there
+        # (execution_id, attempt) running here: hw_lease lets a holder lease again (it only
+        # extends), so a message of ours claimed back after a failed XACK must not run twice.
+        self._in_flight: set[tuple[str, int]] = set()
+        self._claim_cursor = "0-0"
+
+    def handler(self, fn: Handler) -> Handler:
+        """Decorator: register the one async function that runs every execution."""
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError("a herdwick handler must be an async function")
+        if self._handler is not None:
+            raise RuntimeError("this Worker already has a handler")
+        self._handler = fn
+        return fn
+
+    async def stop(self) -> None:
+        """Stop reading, and return once run() has drained (within grace_s)."""
+        self._request_stop()
+        if self._started:
+            await self._done.wait()
+
+    def _request_stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        if self._handler is None:
+            raise RuntimeError("no handler: decorate an async function with @worker.handler")
+        if self._started:
+            raise RuntimeError("a Worker runs once")
+        self._started = True
+        client = self._given_client or aioredis.from_url(self.redis_url)
+        pipeline = _Pipeline(client)
+        calls = _Calls(client, pipeline, keys.pool_base(self.key_prefix, self.pool),
+                       self.worker_id, self.lease_s)
+        reader = _Reader(client, self._ready, self.worker_id)
+        flusher = asyncio.create_task(pipeline.run())
+        watcher = asyncio.create_task(self._watch(stop)) if stop is not None else None
+        log.info("event=worker_started pool=%s worker_id=%s concurrency=%d lease_s=%g",
+                 self.pool, self.worker_id, self.concurrency, self.lease_s)
+        grace_s = self.grace_s
+        try:
+            await self._ensure_group(client)
+            await self._read_loop(calls, reader)
+        except asyncio.CancelledError:
+            grace_s = 0.0
+            raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            await self._drain(grace_s)
+            flusher.cancel()
+            await asyncio.gather(flusher, return_exceptions=True)
+            await reader.close()
+            if self._given_client is None:
+                await client.aclose()
+            log.info("event=worker_stopped pool=%s worker_id=%s", self.pool, self.worker_id)
+            self._done.set()
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._request_stop()
+
+    async def _ensure_group(self, client: aioredis.Redis) -> None:
+        try:
+            await client.xgroup_create(self._ready, keys.WORKERS_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # --- reading ---------------------------------------------------------------------------
+
+    async def _read_loop(self, calls: _Calls, reader: _Reader) -> None:
+        loop = asyncio.get_running_loop()
+        claim_s = self.lease_s / 2
+        next_claim = loop.time()  # at start: take over what a dead predecessor read
+        while (free := await self._wait_for_slots()) > 0:
+            try:
+                if loop.time() >= next_claim:
+                    entries, more = await self._claim(calls.client, free)
+                    next_claim = loop.time() + (0 if more else claim_s * random.uniform(0.8, 1))
+                else:
+                    block_ms = max(1, min(READ_BLOCK_MS, int((next_claim - loop.time()) * 1000)))
+                    entries = await reader.read(free, block_ms, self._stopping)
+                if entries:
+                    await self._start(calls, entries)
+            except RedisError as exc:
+                await self._read_failed(calls.client, exc)
+
+    async def _wait_for_slots(self) -> int:
+        """Free slots to fill (at most a batch); 0 once stopping."""
+        while self._free == 0 and not self._stopping.is_set():
+            self._wake.clear()
+            await self._wake.wait()
+        return 0 if self._stopping.is_set() else min(self._free, self.batch)
+
+    async def _claim(self, client: aioredis.Redis, count: int) -> tuple[list, bool]:
+        """XAUTOCLAIM messages read but never leased (their reader died); -> (entries, more)."""
+        cursor, entries, *_ = await client.xautoclaim(
+            self._ready, keys.WORKERS_GROUP, self.worker_id, int(self.lease_s * 1000),
+            start_id=self._claim_cursor, count=count)
+        self._claim_cursor = _text(cursor)
+        if entries:
+            log.info("event=messages_claimed pool=%s count=%d", self.pool, len(entries))
+        return entries, self._claim_cursor != "0-0"
+
+    async def _read_failed(self, client: aioredis.Redis, exc: RedisError) -> None:
+        if "NOGROUP" in str(exc):  # the stream went away (FLUSHALL, a new Redis): recreate it
+            log.warning("event=group_missing pool=%s", self.pool)
+            try:
+                await self._ensure_group(client)
+                return
+            except RedisError as again:
+                exc = again
+        log.warning("event=read_failed pool=%s error=%s", self.pool, exc)
+        try:
+            await asyncio.wait_for(self._stopping.wait(), READ_RETRY_S)
+        except TimeoutError:
+            pass
+
+    # --- leasing and running -----------------------------------------------------------------
+
+    async def _start(self, calls: _Calls, entries: list) -> None:
+        """Lease a batch, start what we got, then XACK every message that is settled."""
+        messages, settled = [], []
+        for message_id, raw in entries:
+            message = _Message.parse(message_id, raw)
+            if message is None:
+                log.error("event=message_malformed pool=%s message_id=%s", self.pool,
+                          _text(message_id))
+                settled.append(message_id)
+            elif (message.execution_id, message.attempt) in self._in_flight:
+                settled.append(message_id)
+            else:
+                messages.append(message)
+        sent_at = asyncio.get_running_loop().time()
+        replies = await calls.lease_many(messages) if messages else []
+        for message, reply in zip(messages, replies, strict=True):
+            if isinstance(reply, Exception):  # stays pending: XAUTOCLAIM retries it
+                log.warning("event=lease_failed execution_id=%s error=%s", message.execution_id,
+                            reply)
+                continue
+            settled.append(message.message_id)
+            if reply is None:
+                log.debug("event=lease_refused execution_id=%s attempt=%d",
+                          message.execution_id, message.attempt)
+            else:
+                self._spawn(calls, message, _Lease(calls, message, self.lease_s, sent_at))
+        if settled:
+            try:
+                await calls.client.xack(self._ready, keys.WORKERS_GROUP, *settled)
+            except RedisError as exc:  # the leases hold; a later claim sees LEASE_LOST and acks
+                log.warning("event=ack_failed pool=%s error=%s", self.pool, exc)
+
+    def _spawn(self, calls: _Calls, message: _Message, lease: _Lease) -> None:
+        assert self._handler is not None
+        execution = _Execution(self._handler, calls, message, lease, self.lease_s / 3)
+        key = (message.execution_id, message.attempt)
+        self._free -= 1
+        self._in_flight.add(key)
+        task = asyncio.create_task(self._execute(execution, message))
+        self._tasks.add(task)
+        task.add_done_callback(lambda done: self._ended(done, key))
+
+    async def _execute(self, execution: _Execution, message: _Message) -> None:
+        try:
+            await execution.run()
+        except Exception:
+            log.exception("event=execution_crashed execution_id=%s", message.execution_id)
+
+    def _ended(self, task: asyncio.Task, key: tuple[str, int]) -> None:
+        self._tasks.discard(task)
+        self._in_flight.discard(key)
+        self._free += 1
+        self._wake.set()
+
+    async def _drain(self, grace_s: float) -> None:
+        """Let in-flight handlers finish within grace_s; past it, cancel them (leases lapse)."""
+        if not self._tasks:
+            return
+        log.info("event=worker_draining pool=%s in_flight=%d grace_s=%g", self.pool,
+                 len(self._tasks), grace_s)
+        pending = set(self._tasks)
+        if grace_s > 0:
+            _, pending = await asyncio.wait(pending, timeout=grace_s)
+        if pending:
+            log.warning("event=grace_expired pool=%s cancelled=%d", self.pool, len(pending))
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending)
