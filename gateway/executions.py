@@ -6,10 +6,11 @@ import uuid
 
 from aiohttp import web
 
+from gateway import params
 from gateway.auth import tenant_of
 from gateway.context import Ctx
-from gateway.jobs import _job_id, _json, _limit
-from gateway.problems import bad_field
+from gateway.jobs import job_id_of
+from gateway.params import json_response, path_uuid
 from herdwick.ids import shard_of
 from herdwick.model import ExecutionPage, Triggered
 from storage import history as store
@@ -17,44 +18,33 @@ from storage import jobs as job_store
 
 
 def _execution_id(request: web.Request) -> uuid.UUID:
-    try:
-        return uuid.UUID(request.match_info["executionId"])
-    except ValueError:
-        raise bad_field("executionId", "not an execution id", status=404) from None
-
-
-def _cursor(request: web.Request, decode):
-    text = request.query.get("cursor")
-    if not text:
-        return None
-    try:
-        return decode(text)
-    except ValueError:
-        raise bad_field("cursor", "not a cursor returned by this API") from None
+    return path_uuid(request, "executionId", "execution")
 
 
 async def job_executions(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    job = await job_store.get_job(ctx.db, owner.tenant_id, _job_id(request))
+    job = await job_store.get_job(ctx.db, owner.tenant_id, job_id_of(request))
     items, cursor = await store.job_executions(
-        ctx.db, owner.tenant_id, job.job_id, _cursor(request, store.decode_cursor),
-        _limit(request))
-    return _json(200, ExecutionPage(items=items, next_cursor=cursor))
+        ctx.db, owner.tenant_id, job.job_id, params.cursor(request, store.decode_cursor),
+        params.limit(request))
+    return json_response(200, ExecutionPage(items=items, next_cursor=cursor))
 
 
 async def get_execution(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    return _json(200, await store.get_execution(ctx.db, owner.tenant_id, _execution_id(request)))
+    found = await store.get_execution(ctx.db, owner.tenant_id, _execution_id(request))
+    return json_response(200, found)
 
 
 async def dead_letters(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
     items, cursor = await store.dead_letters(
-        ctx.db, owner.tenant_id, _cursor(request, job_store.decode_cursor), _limit(request))
-    return _json(200, ExecutionPage(items=items, next_cursor=cursor))
+        ctx.db, owner.tenant_id, params.cursor(request, job_store.decode_cursor),
+        params.limit(request))
+    return json_response(200, ExecutionPage(items=items, next_cursor=cursor))
 
 
 async def retry_execution(request: web.Request) -> web.Response:
@@ -69,8 +59,8 @@ async def retry_execution(request: web.Request) -> web.Response:
 async def trigger_job(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    job = await job_store.get_job(ctx.db, owner.tenant_id, _job_id(request))
+    job = await job_store.get_job(ctx.db, owner.tenant_id, job_id_of(request))
     now = ctx.clock.now()
     execution_id = await store.trigger(ctx.db, owner.tenant_id, job.job_id, job.state, now)
     await ctx.notify_due([(shard_of(job.job_id), job.job_id, now)])
-    return _json(202, Triggered(execution_id=execution_id))
+    return json_response(202, Triggered(execution_id=execution_id))

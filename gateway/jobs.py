@@ -8,10 +8,12 @@ import uuid
 import msgspec
 from aiohttp import web
 
+from gateway import params
 from gateway.auth import tenant_of
 from gateway.body import read_json_body
 from gateway.context import Ctx
 from gateway.decoding import decode, decode_collecting
+from gateway.params import json_response, path_uuid
 from gateway.problems import bad_field, invalid
 from gateway.submit import HERD_WARN_JOBS, HTTP_POOL, herd_second, herd_warning, prepare
 from herdwick import schedule as sched
@@ -19,8 +21,6 @@ from herdwick.errors import Conflict, IdempotencyKeyReused, InvalidInput
 from herdwick.ids import shard_of
 from herdwick.model import (
     JOB_STATES,
-    LIST_LIMIT_DEFAULT,
-    LIST_LIMIT_MAX,
     MAX_BATCH_JOBS,
     MAX_IDEMPOTENCY_KEY_LEN,
     MAX_PAYLOAD_BYTES,
@@ -41,11 +41,6 @@ BATCH_BODY_CAP = 16 * 1024 * 1024
 _spec_decoder = msgspec.json.Decoder(JobSpec)
 _batch_decoder = msgspec.json.Decoder(dict[str, list[msgspec.Raw]])
 _encoder = msgspec.json.Encoder()
-
-
-def _json(status: int, value: object, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=_encoder.encode(value),
-                        content_type="application/json", headers=headers)
 
 
 def _idempotency_key(request: web.Request) -> str | None:
@@ -135,7 +130,7 @@ async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: 
         if outcome.inserted:
             response = warned if outcome.same_second + in_request >= HERD_WARN_JOBS else plain
             await ctx.after_submit(jobs)
-            return _json(201, response)
+            return json_response(201, response)
         record = await store.get_idempotency(ctx.db, owner.tenant_id, key)
         if record is None:
             continue  # expired and swept between the two statements: insert again
@@ -148,40 +143,14 @@ async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: 
     raise Conflict("the Idempotency-Key is being used concurrently; retry")
 
 
-def _job_id(request: web.Request) -> uuid.UUID:
-    try:
-        return uuid.UUID(request.match_info["jobId"])
-    except ValueError:
-        raise bad_field("jobId", "not a job id", status=404) from None
+def job_id_of(request: web.Request) -> uuid.UUID:
+    return path_uuid(request, "jobId", "job")
 
 
 async def get_job(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    return _json(200, await store.get_job(ctx.db, owner.tenant_id, _job_id(request)))
-
-
-def _limit(request: web.Request) -> int:
-    text = request.query.get("limit")
-    if text is None:
-        return LIST_LIMIT_DEFAULT
-    try:
-        limit = int(text)
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= LIST_LIMIT_MAX:
-        raise bad_field("limit", f"an integer from 1 to {LIST_LIMIT_MAX}")
-    return limit
-
-
-def _cursor(request: web.Request) -> uuid.UUID | None:
-    text = request.query.get("cursor")
-    if not text:
-        return None
-    try:
-        return store.decode_cursor(text)
-    except ValueError:
-        raise bad_field("cursor", "not a cursor returned by this API") from None
+    return json_response(200, await store.get_job(ctx.db, owner.tenant_id, job_id_of(request)))
 
 
 async def list_jobs(request: web.Request) -> web.Response:
@@ -191,8 +160,9 @@ async def list_jobs(request: web.Request) -> web.Response:
     if state is not None and state not in JOB_STATES:
         raise bad_field("state", f"one of {', '.join(JOB_STATES)}")
     items, cursor = await store.list_jobs(ctx.db, owner.tenant_id, state=state,
-                                          after=_cursor(request), limit=_limit(request))
-    return _json(200, JobPage(items=items, next_cursor=cursor))
+                                          after=params.cursor(request, store.decode_cursor),
+                                          limit=params.limit(request))
+    return json_response(200, JobPage(items=items, next_cursor=cursor))
 
 
 def _pause(job: Job, schedule: Schedule) -> Transition | None:
@@ -234,7 +204,7 @@ def _cancel(job: Job, schedule: Schedule) -> Transition | None:
 async def _transition(request: web.Request, decide) -> Job:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    job, canceled = await store.transition_job(ctx.db, owner.tenant_id, _job_id(request),
+    job, canceled = await store.transition_job(ctx.db, owner.tenant_id, job_id_of(request),
                                                ctx.clock.now(), decide)
     if canceled:
         await ctx.cancel_running(pool_of(job), canceled)
@@ -246,12 +216,12 @@ def pool_of(job: Job) -> str:
 
 
 async def pause_job(request: web.Request) -> web.Response:
-    return _json(200, await _transition(request, _pause))
+    return json_response(200, await _transition(request, _pause))
 
 
 async def resume_job(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
-    return _json(200, await _transition(request, _resumer(ctx.clock.now())))
+    return json_response(200, await _transition(request, _resumer(ctx.clock.now())))
 
 
 async def cancel_job(request: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ from gateway.auth import require_admin
 from gateway.body import read_json_body
 from gateway.context import Ctx
 from gateway.decoding import decode
+from gateway.params import json_response, path_uuid
 from gateway.problems import bad_field
 from herdwick.model import SigningSecret, TenantPatch, TenantSpec
 from storage import tenants as store
@@ -18,19 +19,10 @@ from storage import tenants as store
 BODY_CAP = 16 * 1024
 _spec_decoder = msgspec.json.Decoder(TenantSpec)
 _patch_decoder = msgspec.json.Decoder(TenantPatch)
-_encoder = msgspec.json.Encoder()
-
-
-def _json(status: int, value: object) -> web.Response:
-    return web.Response(status=status, body=_encoder.encode(value),
-                        content_type="application/json")
 
 
 def _tenant_id(request: web.Request) -> uuid.UUID:
-    try:
-        return uuid.UUID(request.match_info["tenantId"])
-    except ValueError:
-        raise bad_field("tenantId", "not a tenant id", status=404) from None
+    return path_uuid(request, "tenantId", "tenant")
 
 
 async def create_tenant(request: web.Request) -> web.Response:
@@ -39,18 +31,18 @@ async def create_tenant(request: web.Request) -> web.Response:
     spec = decode(_spec_decoder, await read_json_body(request, BODY_CAP))
     if not spec.name.isprintable():
         raise bad_field("name", "must not contain control characters")
-    return _json(201, await store.create_tenant(ctx.db, spec, ctx.clock.now()))
+    return json_response(201, await store.create_tenant(ctx.db, spec, ctx.clock.now()))
 
 
 async def patch_tenant(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     require_admin(request, ctx.settings.admin_token)
     patch = decode(_patch_decoder, await read_json_body(request, BODY_CAP))
-    return _json(200, await store.patch_tenant(ctx.db, _tenant_id(request), patch))
+    return json_response(200, await store.patch_tenant(ctx.db, _tenant_id(request), patch))
 
 
 async def rotate_secret(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     require_admin(request, ctx.settings.admin_token)
     secret = await store.rotate_signing_secret(ctx.db, _tenant_id(request))
-    return _json(200, SigningSecret(signing_secret=secret))
+    return json_response(200, SigningSecret(signing_secret=secret))
