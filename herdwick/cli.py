@@ -100,6 +100,15 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
     submit.add_argument("--redis-url", help="default $HERDWICK_REDIS_URL, else 127.0.0.1:6379")
     submit.add_argument("--keep", action="store_true", help="keep the scratch database")
     submit.add_argument("--json", action="store_true", help="the report as JSON")
+    herd = actions.add_parser(
+        "herd", help="a herd of jobs due in one second, against the raw dispatch limits",
+        description="Inserts a herd due in the same second (and an optional steady "
+                    "background), runs `herdwick scheduler` processes and no-op stream "
+                    "consumers, and reports dispatch lag, throughput, CPU and memory beside "
+                    "this machine's raw limits for the same work.")
+    from loadtest.herd import add_arguments as herd_arguments
+
+    herd_arguments(herd)
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -209,10 +218,14 @@ async def _api(settings: Settings) -> int:
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
     if args.loadtest_command == "submit":
-        from loadtest import submit
-
-        return _run(submit.command(args))
-    raise AssertionError(f"no loadtest action {args.loadtest_command!r}")  # argparse checked
+        from loadtest import submit as action
+    else:
+        from loadtest import herd as action
+    try:
+        return _run(action.command(args))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("herdwick loadtest: interrupted; cleaned up", file=sys.stderr)
+        return 130
 
 
 async def _scheduler(settings: Settings) -> int:

@@ -1,0 +1,763 @@
+"""`herdwick loadtest submit`: how fast the submit path is, and what HTTP costs on top of it.
+
+Four phases, each `warmup_s` then `duration_s` of closed-loop load (every
+client sends its next request when the last one is answered):
+
+- http-single: POST /v1/jobs, `clients` concurrent clients, one job each;
+- http-batch:  POST /v1/jobs:batch, `batch_clients` clients, `batch_size` jobs each;
+- raw-single / raw-batch: the same jobs through storage.jobs.insert_jobs (the
+  one `insert_jobs` statement the gateway runs) on as many pooled asyncpg
+  connections as there were clients (`raw_clients` to choose otherwise, e.g.
+  the gateway's own pool size for a like-for-like baseline), with no HTTP.
+
+HTTP/raw for each shape is the figure that matters: what the gateway costs.
+The API runs in its own processes (`herdwick api`), never in the load
+generator's, so that CPU seconds can be split between them. Only loopback
+addresses are accepted as targets; every loop stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import ctypes
+import ipaddress
+import itertools
+import math
+import os
+import random
+import re
+import secrets
+import signal
+import socket
+import sys
+import time
+import urllib.parse
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Literal, TextIO
+
+import aiohttp
+import asyncpg
+import msgspec
+import psutil
+from msgspec import Meta
+
+from gateway.submit import HERD_WARN_JOBS, herd_second, prepare
+from herdwick.config import ConfigError
+from herdwick.errors import HerdwickError
+from herdwick.ids import shard_of, uuid7
+from herdwick.model import MAX_BATCH_JOBS, JobSpec, TenantSpec
+from storage import jobs as store
+from storage import migrate
+from storage.db import Database
+from storage.jobs import NewJob
+from storage.tenants import create_tenant
+
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DELAY_SPREAD_S = 3600  # due times spread over an hour: no herd-warning path dominates
+DISTINCT_BODIES = 1024  # single bodies, cycled; batch bodies are slices of them
+REQUEST_TIMEOUT_S = 30.0
+API_START_TIMEOUT_S = 30.0
+API_STOP_TIMEOUT_S = 10.0
+PROGRESS_EVERY_S = 1.0
+OK = "ok"  # the outcome of a request that created its jobs; anything else is an error name
+
+Phase = Literal["http-single", "http-batch", "raw-single", "raw-batch"]
+PHASES: tuple[Phase, ...] = ("http-single", "raw-single", "http-batch", "raw-batch")
+
+
+# --- what to run ------------------------------------------------------------------------
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The shape of the load."""
+
+    clients: Annotated[int, Meta(ge=1, le=1024)] = 64
+    raw_clients: Annotated[int, Meta(ge=1, le=1024)] | None = None  # None: as many as clients
+    batch_clients: Annotated[int, Meta(ge=1, le=64)] = 4
+    batch_size: Annotated[int, Meta(ge=1, le=MAX_BATCH_JOBS)] = MAX_BATCH_JOBS
+    duration_s: Annotated[float, Meta(gt=0, le=3600)] = 10.0
+    warmup_s: Annotated[float, Meta(ge=0, le=600)] = 2.0
+    phases: tuple[Phase, ...] = PHASES
+
+    @property
+    def raw_connections(self) -> int:
+        return self.raw_clients or self.clients
+
+
+class Options(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where to run it. Without `url`, the tool starts `api_processes` of `herdwick api`."""
+
+    plan: Plan = Plan()
+    api_processes: Annotated[int, Meta(ge=1, le=16)] = 1
+    url: str | None = None
+    api_key: str | None = None
+    database_url: str = DEFAULT_DATABASE_URL
+    redis_url: str = DEFAULT_REDIS_URL
+    keep: bool = False
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+class Latency(msgspec.Struct, frozen=True, kw_only=True):
+    samples: int
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    max_ms: float
+
+
+class Cpu(msgspec.Struct, frozen=True, kw_only=True):
+    """CPU seconds spent during the measured window."""
+
+    api_s: float | None  # every API process together; None when the tool did not start them
+    loadgen_s: float  # this process
+    postgres_s: float  # this database's backends and the server's shared processes
+    machine_busy_s: float  # all CPUs, every process: the rest is other work on the machine
+    capacity_s: float  # CPUs x window
+
+
+class PhaseResult(msgspec.Struct, frozen=True, kw_only=True):
+    name: Phase
+    concurrency: int
+    jobs_per_request: int
+    measured_s: float
+    requests: int  # completed inside the window, any outcome
+    ok: int  # of which created their jobs
+    requests_per_s: float
+    jobs_per_s: float
+    latency: Latency
+    errors: dict[str, int]  # by HTTP status or exception name, over the whole phase
+    jobs_created: int  # every job a request created, warm-up and tail included
+    cpu: Cpu
+
+
+class Ratio(msgspec.Struct, frozen=True, kw_only=True):
+    shape: Literal["single", "batch"]
+    http_jobs_per_s: float
+    raw_jobs_per_s: float
+    http_over_raw: float
+
+
+class DatabaseCheck(msgspec.Struct, frozen=True, kw_only=True):
+    jobs_expected: int  # what the phases say they created in this database
+    jobs_found: int
+    due_rows_found: int
+    consistent: bool
+
+
+class Machine(msgspec.Struct, frozen=True, kw_only=True):
+    cpus: int
+    python: str
+    postgres: str
+    fsync: str
+    synchronous_commit: str
+
+
+class Report(msgspec.Struct, frozen=True, kw_only=True):
+    started_at: datetime
+    plan: Plan
+    api_processes: int | None  # None: an API the tool did not start (--url)
+    machine: Machine
+    phases: list[PhaseResult]
+    ratios: list[Ratio]
+    database: DatabaseCheck
+
+
+# --- measuring one phase -------------------------------------------------------------------
+
+
+class Window(msgspec.Struct, frozen=True):
+    """A phase's timeline on time.perf_counter(): warm-up, then the measured part."""
+
+    start: float
+    measure_from: float
+    stop_at: float
+
+    @classmethod
+    def starting_now(cls, warmup_s: float, duration_s: float) -> Window:
+        now = time.perf_counter()
+        return cls(now, now + warmup_s, now + warmup_s + duration_s)
+
+
+class Recorder:
+    """One phase's outcomes. Its client tasks write; the progress watcher reads (one loop)."""
+
+    def __init__(self, jobs_per_request: int, window: Window) -> None:
+        self.jobs_per_request = jobs_per_request
+        self.window = window
+        self.latencies_s: list[float] = []
+        self.ok = 0
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.jobs_created = 0
+
+    def record(self, started: float, finished: float, outcome: str) -> None:
+        if outcome == OK:
+            self.jobs_created += self.jobs_per_request
+        else:
+            self.errors[outcome] += 1
+        if self.window.measure_from <= finished < self.window.stop_at:
+            self.latencies_s.append(finished - started)
+            self.ok += outcome == OK
+
+
+def latency_of(samples_s: list[float]) -> Latency:
+    ordered = sorted(samples_s)
+
+    def rank_ms(p: float) -> float:  # nearest rank
+        if not ordered:
+            return 0.0
+        return ordered[max(0, math.ceil(p * len(ordered)) - 1)] * 1000
+
+    return Latency(samples=len(ordered), p50_ms=rank_ms(0.50), p95_ms=rank_ms(0.95),
+                   p99_ms=rank_ms(0.99), max_ms=rank_ms(1.0))
+
+
+class CpuSample(msgspec.Struct, frozen=True):
+    api_s: float | None
+    loadgen_s: float
+    postgres_s: dict[int, float]  # by pid: backends come and go
+    machine_busy_s: float
+
+
+class CpuProbe:
+    """Reads process and machine CPU seconds (psutil).
+
+    Postgres counts the backends of `database` (all backends when None) and the
+    server's shared processes (WAL writer, checkpointer, ...); other databases'
+    backends, e.g. a test suite's on a shared server, fall into "other".
+    """
+
+    def __init__(self, api_pids: tuple[int, ...] = (), database: str | None = None) -> None:
+        self._api = [psutil.Process(pid) for pid in api_pids]
+        self._me = psutil.Process()
+        self._database = database
+
+    def read(self) -> CpuSample:
+        api = sum(_cpu_s(p.cpu_times()) for p in self._api) if self._api else None
+        t = psutil.cpu_times()
+        busy = t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+        return CpuSample(api, _cpu_s(self._me.cpu_times()), self._postgres(), busy)
+
+    def _postgres(self) -> dict[int, float]:
+        # A backend that exits inside the window takes its seconds with it; the
+        # pools in use are opened during warm-up, so that is only short-lived ones.
+        found = {}
+        for p in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+            if p.info["name"] != "postgres" or p.info["cpu_times"] is None:
+                continue
+            title = " ".join(p.info["cmdline"] or ())
+            if self._database is None or f" {self._database} " in title or _SHARED.search(title):
+                found[p.pid] = _cpu_s(p.info["cpu_times"])
+        return found
+
+
+# The titles of the postmaster and its shared processes (not client backends).
+_SHARED = re.compile(r"bin/postgres|: (checkpointer|background writer|walwriter|"
+                     r"autovacuum launcher|logical replication launcher|archiver|"
+                     r"stats collector)\s*$")
+
+
+def _cpu_s(times) -> float:
+    return times.user + times.system
+
+
+async def _sleep_until(when: float) -> None:
+    await asyncio.sleep(max(0.0, when - time.perf_counter()))
+
+
+async def _cpu_in(window: Window, probe: CpuProbe) -> Cpu:
+    await _sleep_until(window.measure_from)
+    before = probe.read()
+    await _sleep_until(window.stop_at)
+    after = probe.read()
+    api = None if after.api_s is None or before.api_s is None else after.api_s - before.api_s
+    postgres = sum(s - before.postgres_s.get(pid, 0.0) for pid, s in after.postgres_s.items())
+    return Cpu(api_s=api, loadgen_s=after.loadgen_s - before.loadgen_s, postgres_s=postgres,
+               machine_busy_s=after.machine_busy_s - before.machine_busy_s,
+               capacity_s=(os.cpu_count() or 1) * (window.stop_at - window.measure_from))
+
+
+class Progress:
+    """One line a second on a stream (stderr in the command); silent without one."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream
+
+    def say(self, text: str) -> None:
+        if self._stream is not None:
+            self._stream.write(text + "\n")
+            self._stream.flush()
+
+    async def watch(self, name: str, rec: Recorder, window: Window) -> None:
+        tick = window.start + PROGRESS_EVERY_S
+        while tick < window.stop_at:
+            await _sleep_until(tick)
+            self.say(self._line(name, rec, window, tick))
+            tick += PROGRESS_EVERY_S
+
+    @staticmethod
+    def _line(name: str, rec: Recorder, window: Window, now: float) -> str:
+        if now <= window.measure_from:
+            stage, jobs, elapsed = "warm-up", rec.jobs_created, now - window.start
+        else:
+            stage, elapsed = "measuring", now - window.measure_from
+            jobs = rec.ok * rec.jobs_per_request
+        rate = jobs / elapsed if elapsed > 0 else 0.0
+        return (f"{name:<11} {now - window.start:5.1f}s {stage:<9} {rate:9.0f} jobs/s "
+                f"errors={sum(rec.errors.values())}")
+
+
+Send = Callable[[], Awaitable[str]]
+
+
+async def _drive(send: Send, rec: Recorder, stop_at: float) -> None:
+    while (started := time.perf_counter()) < stop_at:
+        outcome = await send()
+        rec.record(started, time.perf_counter(), outcome)
+
+
+async def run_phase(name: Phase, concurrency: int, jobs_per_request: int, send: Send,
+                    plan: Plan, probe: CpuProbe, progress: Progress) -> PhaseResult:
+    """`concurrency` closed loops of `send` through warm-up and the measured window."""
+    window = Window.starting_now(plan.warmup_s, plan.duration_s)
+    rec = Recorder(jobs_per_request, window)
+    async with asyncio.TaskGroup() as tg:
+        cpu = tg.create_task(_cpu_in(window, probe))
+        tg.create_task(progress.watch(name, rec, window))
+        for _ in range(concurrency):
+            tg.create_task(_drive(send, rec, window.stop_at))
+    requests = len(rec.latencies_s)
+    return PhaseResult(
+        name=name, concurrency=concurrency, jobs_per_request=jobs_per_request,
+        measured_s=plan.duration_s, requests=requests, ok=rec.ok,
+        requests_per_s=requests / plan.duration_s,
+        jobs_per_s=rec.ok * jobs_per_request / plan.duration_s,
+        latency=latency_of(rec.latencies_s), errors=dict(rec.errors),
+        jobs_created=rec.jobs_created, cpu=cpu.result())
+
+
+# --- the jobs ------------------------------------------------------------------------------
+
+
+def job_bodies(count: int, seed: int = 2) -> list[dict]:
+    """Small, realistic queue jobs, due at times spread over an hour."""
+    rng = random.Random(seed)
+    queues = ("emails", "reports", "billing", "thumbnails")
+    return [{"name": f"loadtest-{i}",
+             "target": {"type": "queue", "ref": queues[i % len(queues)]},
+             "payload": {"user": f"user{rng.randrange(10**6)}@example.com",
+                         "template": "welcome", "attempt": 1, "tags": ["a", "b"]},
+             "schedule": {"delaySeconds": rng.randrange(60, DELAY_SPREAD_S)}}
+            for i in range(count)]
+
+
+def _batches(bodies: list[dict], size: int) -> list[list[dict]]:
+    """Enough distinct batches to cycle through, each `size` long (wrapping around)."""
+    ring = itertools.cycle(bodies)
+    count = max(1, len(bodies) // size)
+    return [[next(ring) for _ in range(size)] for _ in range(count)]
+
+
+class JobMaker:
+    """Fresh NewJobs from prepared templates: new ids and due times, nothing else re-done.
+
+    The templates go through gateway.submit.prepare once, so raw rows match
+    what the gateway would insert for the same bodies.
+    """
+
+    def __init__(self, bodies: list[dict]) -> None:
+        now = datetime.now(UTC)
+        specs = [msgspec.json.decode(msgspec.json.encode(b), type=JobSpec) for b in bodies]
+        self._next = itertools.cycle(
+            [(prepare(s, now=now, allow=()).job, timedelta(seconds=s.schedule.delay_seconds))
+             for s in specs]).__next__
+
+    def make(self, count: int) -> list[NewJob]:
+        now = datetime.now(UTC)
+        return [self._fresh(now) for _ in range(count)]
+
+    def _fresh(self, now: datetime) -> NewJob:
+        template, delay = self._next()
+        job_id = uuid7(now)
+        return msgspec.structs.replace(template, job_id=job_id, shard_id=shard_of(job_id),
+                                       next_run_at=now + delay)
+
+
+# --- the phases ----------------------------------------------------------------------------
+
+
+class HttpTarget(msgspec.Struct, frozen=True):
+    url: str  # e.g. http://127.0.0.1:8080
+    api_key: str
+
+
+async def _post(session: aiohttp.ClientSession, path: str, body: bytes) -> str:
+    try:
+        async with session.post(path, data=body) as resp:
+            await resp.read()
+            return OK if resp.status == 201 else str(resp.status)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return type(exc).__name__
+
+
+async def _http_phase(name: Phase, target: HttpTarget, path: str, bodies: list[bytes],
+                      concurrency: int, jobs_per_request: int, plan: Plan, probe: CpuProbe,
+                      progress: Progress) -> PhaseResult:
+    headers = {"Authorization": f"Bearer {target.api_key}", "Content-Type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
+    async with aiohttp.ClientSession(target.url, connector=connector, headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+                                     ) as session:
+        next_body = itertools.cycle(bodies).__next__
+
+        def send() -> Awaitable[str]:
+            return _post(session, path, next_body())
+
+        return await run_phase(name, concurrency, jobs_per_request, send, plan, probe, progress)
+
+
+async def http_phases(plan: Plan, target: HttpTarget, probe: CpuProbe,
+                      progress: Progress) -> list[PhaseResult]:
+    encode = msgspec.json.encode
+    bodies = job_bodies(DISTINCT_BODIES)
+    results = []
+    if "http-single" in plan.phases:
+        results.append(await _http_phase(
+            "http-single", target, "/v1/jobs", [encode(b) for b in bodies], plan.clients, 1,
+            plan, probe, progress))
+    if "http-batch" in plan.phases:
+        batches = [encode({"jobs": b}) for b in _batches(bodies, plan.batch_size)]
+        results.append(await _http_phase(
+            "http-batch", target, "/v1/jobs:batch", batches, plan.batch_clients,
+            plan.batch_size, plan, probe, progress))
+    return results
+
+
+async def _insert(db: Database, tenant_id: uuid.UUID, jobs: list[NewJob]) -> str:
+    """What the gateway's submit does after decoding, minus HTTP: the same statement and args."""
+    second, in_request = herd_second(jobs)
+    try:
+        await store.insert_jobs(db, tenant_id, jobs, now=datetime.now(UTC),
+                                herd_second=second, herd_in_request=in_request,
+                                herd_limit=HERD_WARN_JOBS)
+    except HerdwickError as exc:
+        return type(exc).__name__
+    return OK
+
+
+async def raw_phases(plan: Plan, db: Database, tenant_id: uuid.UUID, probe: CpuProbe,
+                     progress: Progress) -> list[PhaseResult]:
+    """`db` needs a pool of at least plan.raw_connections connections."""
+    maker = JobMaker(job_bodies(DISTINCT_BODIES))
+    results = []
+    for name, concurrency, size in (("raw-single", plan.raw_connections, 1),
+                                    ("raw-batch", plan.batch_clients, plan.batch_size)):
+        if name not in plan.phases:
+            continue
+
+        def send(size: int = size) -> Awaitable[str]:
+            return _insert(db, tenant_id, maker.make(size))
+
+        results.append(await run_phase(name, concurrency, size, send, plan, probe, progress))
+    return results
+
+
+def ratios(phases: list[PhaseResult]) -> list[Ratio]:
+    by_name = {p.name: p for p in phases}
+    found = []
+    for shape in ("single", "batch"):
+        http, raw = by_name.get(f"http-{shape}"), by_name.get(f"raw-{shape}")
+        if http is None or raw is None:
+            continue
+        found.append(Ratio(shape=shape, http_jobs_per_s=http.jobs_per_s,
+                           raw_jobs_per_s=raw.jobs_per_s,
+                           http_over_raw=http.jobs_per_s / raw.jobs_per_s if raw.jobs_per_s
+                           else 0.0))
+    return found
+
+
+# --- setting up: a scratch database and the API processes --------------------------------
+
+
+def require_loopback(url: str, what: str) -> None:
+    """Load goes to this machine only: a loopback host, or a local socket path."""
+    parts = urllib.parse.urlsplit(url)
+    hosts = [parts.hostname, *urllib.parse.parse_qs(parts.query).get("host", [])]
+    for host in hosts:
+        if host is None or host.startswith("/") or host == "localhost":
+            continue
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ConfigError(f"{what}: {host!r} is not a loopback address; the load test "
+                              "only targets this machine")
+
+
+def _database_of(dsn: str) -> str:
+    return urllib.parse.urlsplit(dsn).path.lstrip("/")
+
+
+def _with_database(dsn: str, name: str) -> str:
+    parts = urllib.parse.urlsplit(dsn)
+    return urllib.parse.urlunsplit(parts._replace(path="/" + name))
+
+
+# The tool owns a throwaway database, so it holds the few administrative
+# statements itself: storage/ has none for creating or dropping databases.
+@contextlib.asynccontextmanager
+async def scratch_database(server_dsn: str, keep: bool,
+                           progress: Progress) -> AsyncIterator[tuple[str, Machine]]:
+    """A fresh, migrated database `hw_loadtest_<random>` on the server; dropped afterwards."""
+    name = f"hw_loadtest_{secrets.token_hex(5)}"
+    admin = await asyncpg.connect(server_dsn, timeout=10)
+    try:
+        machine = Machine(
+            cpus=os.cpu_count() or 1, python=sys.version.split()[0],
+            postgres=await admin.fetchval("SHOW server_version"),
+            fsync=await admin.fetchval("SHOW fsync"),
+            synchronous_commit=await admin.fetchval("SHOW synchronous_commit"))
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            dsn = _with_database(server_dsn, name)
+            await migrate.apply(dsn)
+            yield dsn, machine
+        finally:
+            if keep:
+                progress.say(f"kept database {name}")
+            else:
+                await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+async def count_rows(db: Database, tenant_id: uuid.UUID) -> tuple[int, int]:
+    async with db.connection() as conn:
+        jobs = await conn.fetchval("SELECT count(*) FROM jobs WHERE tenant_id = $1", tenant_id)
+        due = await conn.fetchval("SELECT count(*) FROM due_index")
+    return jobs, due
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ApiProcess:
+    """One `herdwick api` child: its merged output is drained into a short tail, so a full
+    pipe never blocks it and a failed start can say why. Owned by api_processes()."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.listening = False
+        self._settled = asyncio.Event()  # set once it listens or its output ends
+        self.drain = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        async for line in self.proc.stdout:
+            text = line.decode(errors="replace").rstrip()
+            self.tail.append(text)
+            if "event=api_listening" in text:
+                self.listening = True
+                self._settled.set()
+        self._settled.set()
+
+    async def started(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._settled.wait(), API_START_TIMEOUT_S)
+        if not self.listening:
+            tail = "\n".join(self.tail)
+            raise ConfigError(f"herdwick api did not start (exit {self.proc.returncode}):\n"
+                              f"{tail}")
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.terminate()
+        try:
+            await asyncio.wait_for(self.proc.wait(), API_STOP_TIMEOUT_S)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+        await self.drain
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _dies_with_us() -> Callable[[], None] | None:
+    """A preexec_fn: Linux SIGTERMs the child if this process dies, even by SIGKILL."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork, not in the child
+    return lambda: libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM))
+
+
+@contextlib.asynccontextmanager
+async def api_processes(count: int, database_url: str,
+                        redis_url: str) -> AsyncIterator[tuple[str, tuple[int, ...]]]:
+    """`count` processes of `herdwick api` on one port (SO_REUSEPORT); yields URL and pids."""
+    port = free_port()
+    env = {**os.environ, "HERDWICK_DATABASE_URL": database_url, "HERDWICK_REDIS_URL": redis_url,
+           "HERDWICK_ADMIN_TOKEN": secrets.token_urlsafe(24), "HERDWICK_API_HOST": "127.0.0.1",
+           "HERDWICK_API_PORT": str(port), "HERDWICK_KEY_PREFIX": f"hwlt{secrets.token_hex(4)}"}
+    apis: list[ApiProcess] = []
+    try:
+        for _ in range(count):
+            apis.append(ApiProcess(await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "herdwick.cli", "api", env=env,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, preexec_fn=_dies_with_us())))
+            await apis[-1].started()
+        yield f"http://127.0.0.1:{port}", tuple(a.proc.pid for a in apis)
+    finally:
+        await asyncio.gather(*(a.stop() for a in apis))
+
+
+# --- the whole run -------------------------------------------------------------------------
+
+
+async def _http_side(options: Options, db_url: str, api_key: str,
+                     progress: Progress) -> list[PhaseResult]:
+    plan = options.plan
+    if options.url is not None:
+        target = HttpTarget(options.url.rstrip("/"), options.api_key or "")
+        return await http_phases(plan, target, CpuProbe(database=_database_of(db_url)),
+                                 progress)
+    async with api_processes(options.api_processes, db_url, options.redis_url) as (url, pids):
+        progress.say(f"api: {options.api_processes} process(es) at {url}, pids {list(pids)}")
+        probe = CpuProbe(pids, database=_database_of(db_url))
+        return await http_phases(plan, HttpTarget(url, api_key), probe, progress)
+
+
+async def run(options: Options, progress: Progress) -> Report:
+    """Set up, run every phase of the plan, tear down; the API is stopped before raw phases
+    so its idle pool does not hold connections the raw phases need."""
+    for url, what in ((options.database_url, "--database-url"), (options.url, "--url"),
+                      (options.redis_url, "--redis-url")):
+        if url is not None:
+            require_loopback(url, what)
+    if options.url is not None and not options.api_key:
+        raise ConfigError("--url needs --api-key (a key of a tenant of that API)")
+    started = datetime.now(UTC)
+    plan = options.plan
+    async with scratch_database(options.database_url, options.keep, progress) as (dsn, machine):
+        db = await Database.connect(dsn, min_size=1,
+                                    max_size=max(plan.raw_connections, plan.batch_clients))
+        try:
+            tenant = await create_tenant(db, TenantSpec(name="loadtest"), started)
+            phases = await _http_side(options, dsn, tenant.api_key, progress)
+            phases += await raw_phases(plan, db, tenant.tenant_id,
+                                       CpuProbe(database=_database_of(dsn)), progress)
+            jobs, due = await count_rows(db, tenant.tenant_id)
+        finally:
+            await db.close()
+    ours = [p for p in phases if options.url is None or p.name.startswith("raw-")]
+    expected = sum(p.jobs_created for p in ours)
+    order = {name: i for i, name in enumerate(PHASES)}
+    phases.sort(key=lambda p: order[p.name])
+    return Report(started_at=started, plan=plan,
+                  api_processes=None if options.url else options.api_processes,
+                  machine=machine, phases=phases, ratios=ratios(phases),
+                  database=DatabaseCheck(jobs_expected=expected, jobs_found=jobs,
+                                         due_rows_found=due,
+                                         consistent=jobs == due == expected))
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    """CLI flags to Options; an unset flag takes the default (or the environment's URL)."""
+    plan = {k: v for k, v in {
+        "clients": args.clients, "raw_clients": args.raw_clients,
+        "batch_clients": args.batch_clients,
+        "batch_size": args.batch_size, "duration_s": args.duration, "warmup_s": args.warmup,
+        "phases": tuple(p.strip() for p in args.phases.split(",")) if args.phases else None,
+    }.items() if v is not None}
+    raw = {"plan": plan, "api_processes": args.api_processes, "url": args.url,
+           "api_key": args.api_key, "keep": args.keep,
+           "database_url": (args.database_url or os.environ.get("HERDWICK_DATABASE_URL")
+                            or DEFAULT_DATABASE_URL),
+           "redis_url": (args.redis_url or os.environ.get("HERDWICK_REDIS_URL")
+                         or DEFAULT_REDIS_URL)}
+    try:
+        return msgspec.convert({k: v for k, v in raw.items() if v is not None}, Options)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"loadtest submit: {exc}") from None
+
+
+def render_text(report: Report) -> str:
+    m = report.machine
+    procs = ("an API at --url" if report.api_processes is None
+             else f"{report.api_processes} api process(es)")
+    lines = [
+        f"herdwick loadtest submit  {report.started_at:%Y-%m-%dT%H:%M:%SZ}",
+        f"machine: {m.cpus} CPUs, Python {m.python}, PostgreSQL {m.postgres} (fsync {m.fsync}, "
+        f"synchronous_commit {m.synchronous_commit}); {procs}",
+        f"each phase: {report.plan.warmup_s:g} s warm-up, {report.plan.duration_s:g} s measured",
+        "",
+        f"{'phase':<11} {'conc':>4} {'jobs/req':>8} {'req/s':>9} {'jobs/s':>9} {'p50 ms':>8} "
+        f"{'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}  errors",
+    ]
+    for p in report.phases:
+        lat = p.latency
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(p.errors.items())) or "0"
+        lines.append(f"{p.name:<11} {p.concurrency:>4} {p.jobs_per_request:>8} "
+                     f"{p.requests_per_s:>9.0f} {p.jobs_per_s:>9.0f} {lat.p50_ms:>8.1f} "
+                     f"{lat.p95_ms:>8.1f} {lat.p99_ms:>8.1f} {lat.max_ms:>8.1f}  {errors}")
+    lines += ["", "HTTP / raw (jobs/s): " + "   ".join(
+        f"{r.shape} {r.http_over_raw:.2f} ({r.http_jobs_per_s:.0f} / {r.raw_jobs_per_s:.0f})"
+        for r in report.ratios)]
+    lines += ["", "CPU seconds in the measured window:",
+              f"{'phase':<11} {'api':>7} {'loadgen':>8} {'postgres':>8} {'other':>7} "
+              f"{'busy':>7} {'of':>6}"]
+    for p in report.phases:
+        c = p.cpu
+        api = "-" if c.api_s is None else f"{c.api_s:.1f}"
+        other = max(0.0, c.machine_busy_s - (c.api_s or 0.0) - c.loadgen_s - c.postgres_s)
+        lines.append(f"{p.name:<11} {api:>7} {c.loadgen_s:>8.1f} {c.postgres_s:>8.1f} "
+                     f"{other:>7.1f} {c.machine_busy_s:>7.1f} {c.capacity_s:>6.1f}")
+    lines.append("(other: the kernel and anything else running on the machine)")
+    d = report.database
+    lines += ["", f"database: {d.jobs_found} jobs, {d.due_rows_found} due rows; the phases "
+                  f"reported {d.jobs_expected}: {'consistent' if d.consistent else 'MISMATCH'}"]
+    return "\n".join(lines)
+
+
+def write_report(report: Report, out: TextIO, as_json: bool) -> None:
+    out.write(msgspec.json.encode(report).decode() if as_json else render_text(report))
+    out.write("\n")
+    out.flush()
+
+
+async def command(args: argparse.Namespace) -> int:
+    """`herdwick loadtest submit`: progress on stderr, the report on stdout.
+
+    SIGTERM and SIGINT cancel the run, so the API processes are stopped and the
+    scratch database dropped on the way out.
+    """
+    options = options_from(args)
+    progress = Progress(sys.stderr)
+    main = asyncio.current_task()
+    assert main is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, main.cancel)
+    try:
+        report = await run(options, progress)
+    except asyncio.CancelledError:
+        progress.say("stopped by a signal; cleaned up")
+        return 130
+    write_report(report, sys.stdout, args.json)
+    return 0 if report.database.consistent else 1
