@@ -63,8 +63,9 @@ def plan(claimed: list[Claimed], now: datetime) -> Plan:
             continue
         schedule = _schedule_decoder.decode(row.schedule)
         if schedule.cron is None:
+            # jobs.next_run_at keeps the due time until the execution ends
+            # (complete_one_offs clears it): no jobs UPDATE on the herd's path.
             out.executions.append(_execution(row, row.next_run_at, "queued", now))
-            out.job_next.append((row.job_id, None))
             continue
         _plan_cron(out, row, schedule, now)
     return out

@@ -61,6 +61,16 @@ async def retrying(attempt: Callable[[], Awaitable[T]]) -> T:
     raise AssertionError("unreachable")
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Pool release without asyncpg's reset query (advisory unlock, CLOSE ALL, UNLISTEN,
+    RESET ALL): a second round trip per checkout, about 18 % of a single submit.
+
+    Safe because herdwick keeps no session state on pooled connections: its
+    advisory locks are transaction-level, migrations use their own connection,
+    and nothing LISTENs or SETs. asyncpg still rolls back an open transaction.
+    """
+
+
 class Database:
     """Owns the asyncpg pool. Every query goes through `connection()`."""
 
@@ -77,6 +87,7 @@ class Database:
                 command_timeout=COMMAND_TIMEOUT_S,
                 timeout=CONNECT_TIMEOUT_S,
                 server_settings={"timezone": "UTC", "application_name": "herdwick"},
+                reset=_keep_session,
             )
         return cls(pool)
 
