@@ -149,6 +149,8 @@ class ExecutionEvents(Actor):
         if isinstance(msg, Tick):
             await self.refresh_pools()
             await self.claim_stale()
+        elif not self._pools:
+            await self.refresh_pools()  # nothing published anywhere yet: look each pass
         self._busy = await self.run_once() > 0
 
     async def refresh_pools(self) -> None:

@@ -45,7 +45,7 @@ from storage.protocol import Protocol
 log = logging.getLogger("herdwick.scheduler")
 
 DISPATCH_ACTORS = 2
-POOLS_REFRESH_S = 5.0
+POOLS_REFRESH_S = 1.0  # a new pool's events are read within this
 DB_POOL_MAX = 16
 
 

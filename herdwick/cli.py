@@ -109,6 +109,15 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
     from loadtest.herd import add_arguments as herd_arguments
 
     herd_arguments(herd)
+    e2e = actions.add_parser(
+        "e2e", help="a herd through SDK workers to outcomes committed in Postgres",
+        description="A herd due in one second, `herdwick scheduler` and `herdwick worker` "
+                    "processes with a no-op handler; reports the time until every "
+                    "execution succeeded in Postgres, due->lease lag, and Postgres "
+                    "transactions and Redis commands per execution.")
+    from loadtest.e2e import add_arguments as e2e_arguments
+
+    e2e_arguments(e2e)
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -219,6 +228,8 @@ async def _api(settings: Settings) -> int:
 def cmd_loadtest(args: argparse.Namespace) -> int:
     if args.loadtest_command == "submit":
         from loadtest import submit as action
+    elif args.loadtest_command == "e2e":
+        from loadtest import e2e as action
     else:
         from loadtest import herd as action
     try:
