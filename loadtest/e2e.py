@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 import msgspec
 import redis.asyncio as aioredis
 
+from loadtest.common import require_loopback
 from loadtest.herd import (
     PARK_AHEAD,
     JobFactory,
@@ -34,7 +35,6 @@ from loadtest.herd import (
     leases_settled,
     move_herd,
     pool_names,
-    require_loopback,
     scheduler_processes,
     scratch_database,
     tenant_counts,

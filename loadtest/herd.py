@@ -30,7 +30,6 @@ import asyncio
 import collections
 import contextlib
 import gc
-import ipaddress
 import math
 import os
 import secrets
@@ -61,6 +60,7 @@ from herdwick.config import ConfigError
 from herdwick.errors import HerdwickError
 from herdwick.ids import SHARD_COUNT, shard_of, uuid7
 from herdwick.model import JobSpec, Schedule, Target, TenantSpec
+from loadtest.common import require_loopback, with_database
 from storage import dispatch as dispatch_store
 from storage import keys, leases, migrate
 from storage.db import Database
@@ -454,24 +454,6 @@ async def lease_owners(db: Database) -> dict[str, int]:
 # --- the stack: scratch databases and scheduler processes --------------------------------
 
 
-def require_loopback(url: str, what: str) -> None:
-    """Load goes to this machine only: a loopback host, or a local socket path."""
-    parts = urllib.parse.urlsplit(url)
-    for host in [parts.hostname, *urllib.parse.parse_qs(parts.query).get("host", [])]:
-        if host is None or host.startswith("/") or host == "localhost":
-            continue
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise ConfigError(f"{what}: {host!r} is not a loopback address; the load test "
-                              "only targets this machine")
-
-
-def _with_database(dsn: str, name: str) -> str:
-    parts = urllib.parse.urlsplit(dsn)
-    return urllib.parse.urlunsplit(parts._replace(path="/" + name))
 
 
 async def machine_info(options: Options) -> Machine:
@@ -500,7 +482,7 @@ async def scratch_database(server_dsn: str, name: str, keep: bool,
     try:
         await admin.execute(f'CREATE DATABASE "{name}"')
         try:
-            dsn = _with_database(server_dsn, name)
+            dsn = with_database(server_dsn, name)
             await migrate.apply(dsn)
             yield dsn
         finally:

@@ -23,7 +23,6 @@ import asyncio
 import collections
 import contextlib
 import ctypes
-import ipaddress
 import itertools
 import math
 import os
@@ -51,6 +50,7 @@ from herdwick.config import ConfigError
 from herdwick.errors import HerdwickError
 from herdwick.ids import shard_of, uuid7
 from herdwick.model import MAX_BATCH_JOBS, JobSpec, TenantSpec
+from loadtest.common import require_loopback, with_database
 from storage import jobs as store
 from storage import migrate
 from storage.db import Database
@@ -486,29 +486,10 @@ def ratios(phases: list[PhaseResult]) -> list[Ratio]:
 # --- setting up: a scratch database and the API processes --------------------------------
 
 
-def require_loopback(url: str, what: str) -> None:
-    """Load goes to this machine only: a loopback host, or a local socket path."""
-    parts = urllib.parse.urlsplit(url)
-    hosts = [parts.hostname, *urllib.parse.parse_qs(parts.query).get("host", [])]
-    for host in hosts:
-        if host is None or host.startswith("/") or host == "localhost":
-            continue
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise ConfigError(f"{what}: {host!r} is not a loopback address; the load test "
-                              "only targets this machine")
-
 
 def _database_of(dsn: str) -> str:
     return urllib.parse.urlsplit(dsn).path.lstrip("/")
 
-
-def _with_database(dsn: str, name: str) -> str:
-    parts = urllib.parse.urlsplit(dsn)
-    return urllib.parse.urlunsplit(parts._replace(path="/" + name))
 
 
 # The tool owns a throwaway database, so it holds the few administrative
@@ -527,7 +508,7 @@ async def scratch_database(server_dsn: str, keep: bool,
             synchronous_commit=await admin.fetchval("SHOW synchronous_commit"))
         await admin.execute(f'CREATE DATABASE "{name}"')
         try:
-            dsn = _with_database(server_dsn, name)
+            dsn = with_database(server_dsn, name)
             await migrate.apply(dsn)
             yield dsn, machine
         finally:
