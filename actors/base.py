@@ -39,8 +39,12 @@ class Sync:
 
 
 async def sync(actor: Actor, timeout_s: float = 30.0) -> None:
+    if actor.stopped:
+        return
     signal = Sync()
     await actor.send(signal)
+    if actor.stopped:  # it stopped while we queued: nothing will answer but this
+        actor._release_syncs()
     await asyncio.wait_for(signal.done.wait(), timeout_s)
 
 
@@ -97,7 +101,16 @@ class Actor:
                     continue
                 await self.handle(msg)
         finally:
+            self.stopped = True
+            self._release_syncs()
             await self.on_stop()
+
+    def _release_syncs(self) -> None:
+        """A stopped actor handles nothing more: answer the Syncs waiting behind its Stop."""
+        while not self.mailbox.empty():
+            msg = self.mailbox.get_nowait()
+            if isinstance(msg, Sync):
+                msg.done.set()
 
     async def _next(self) -> object | None:
         timeout = self.idle_timeout()

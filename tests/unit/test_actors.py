@@ -88,3 +88,18 @@ async def test_stop_lets_the_message_in_hand_finish() -> None:
         await stopping
     assert log == [Tick()]
     assert actor.stopped
+
+
+async def test_a_sync_queued_behind_a_stop_is_answered() -> None:
+    from actors.base import Stop, Sync
+
+    gate = asyncio.Event()
+    async with Supervisor() as sup:
+        actor = await sup.start("r", lambda: Recorder([], gate=gate))
+        await actor.send(Tick())  # in hand, waiting on the gate
+        await actor.send(Stop())
+        late = Sync()
+        await actor.send(late)
+        gate.set()
+        await asyncio.wait_for(late.done.wait(), timeout=5)
+        await sync(actor)  # a stopped actor: returns at once
