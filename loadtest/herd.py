@@ -60,7 +60,7 @@ from herdwick.config import ConfigError
 from herdwick.errors import HerdwickError
 from herdwick.ids import SHARD_COUNT, shard_of, uuid7
 from herdwick.model import JobSpec, Schedule, Target, TenantSpec
-from loadtest.common import require_loopback, with_database
+from loadtest.common import Child, require_loopback, with_database
 from storage import dispatch as dispatch_store
 from storage import keys, leases, migrate
 from storage.db import Database
@@ -508,60 +508,15 @@ async def delete_keys(client: aioredis.Redis, prefix: str) -> int:
     return deleted
 
 
-class SchedulerProcess:
-    """One `herdwick scheduler` child. Its merged output drains into a short tail, so a
-    full pipe never blocks it and a failure can say why. Owned by scheduler_processes()."""
+class SchedulerProcess(Child):
+    """One `herdwick scheduler` child (a clean stop releases its leases).
+    Owned by scheduler_processes()."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.tail: collections.deque[str] = collections.deque(maxlen=40)
-        self.is_started = False
-        self._settled = asyncio.Event()  # set once it has started or its output ended
-        self.drain = asyncio.create_task(self._drain())
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    async def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        async for line in self.proc.stdout:
-            text = line.decode(errors="replace").rstrip()
-            self.tail.append(text)
-            if "event=scheduler_started" in text:
-                self.is_started = True
-                self._settled.set()
-        self._settled.set()
-
-    def check_alive(self) -> None:
-        if self.proc.returncode is not None:
-            raise RunFailed(f"scheduler pid {self.pid} exited ({self.proc.returncode}):\n"
-                            + "\n".join(self.tail))
-
-    async def started(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._settled.wait(), START_TIMEOUT_S)
-        if not self.is_started:
-            raise RunFailed(f"herdwick scheduler did not start (exit {self.proc.returncode}):\n"
-                            + "\n".join(self.tail))
-
-    async def stop(self) -> None:
-        """SIGTERM (a clean stop releases its leases), SIGKILL past the deadline."""
-        try:
-            if self.proc.returncode is None:
-                self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT_S)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-            await asyncio.wait_for(self.drain, STOP_TIMEOUT_S)
-        except BaseException:
-            # Cancelled while stopping (a second Ctrl-C): never leave the child behind.
-            if self.proc.returncode is None:
-                self.proc.kill()
-            self.drain.cancel()
-            raise
+    command = "herdwick scheduler"
+    marker = "event=scheduler_started"
+    start_timeout_s = START_TIMEOUT_S
+    stop_timeout_s = STOP_TIMEOUT_S
+    error = RunFailed
 
 
 @contextlib.asynccontextmanager

@@ -50,7 +50,7 @@ from herdwick.config import ConfigError
 from herdwick.errors import HerdwickError
 from herdwick.ids import shard_of, uuid7
 from herdwick.model import MAX_BATCH_JOBS, JobSpec, TenantSpec
-from loadtest.common import require_loopback, with_database
+from loadtest.common import Child, require_loopback, with_database
 from storage import jobs as store
 from storage import migrate
 from storage.db import Database
@@ -533,44 +533,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ApiProcess:
-    """One `herdwick api` child: its merged output is drained into a short tail, so a full
-    pipe never blocks it and a failed start can say why. Owned by api_processes()."""
+class ApiProcess(Child):
+    """One `herdwick api` child. Owned by api_processes()."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.tail: collections.deque[str] = collections.deque(maxlen=40)
-        self.listening = False
-        self._settled = asyncio.Event()  # set once it listens or its output ends
-        self.drain = asyncio.create_task(self._drain())
-
-    async def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        async for line in self.proc.stdout:
-            text = line.decode(errors="replace").rstrip()
-            self.tail.append(text)
-            if "event=api_listening" in text:
-                self.listening = True
-                self._settled.set()
-        self._settled.set()
-
-    async def started(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._settled.wait(), API_START_TIMEOUT_S)
-        if not self.listening:
-            tail = "\n".join(self.tail)
-            raise ConfigError(f"herdwick api did not start (exit {self.proc.returncode}):\n"
-                              f"{tail}")
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.terminate()
-        try:
-            await asyncio.wait_for(self.proc.wait(), API_STOP_TIMEOUT_S)
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
-        await self.drain
+    command = "herdwick api"
+    marker = "event=api_listening"
+    start_timeout_s = API_START_TIMEOUT_S
+    stop_timeout_s = API_STOP_TIMEOUT_S
+    error = ConfigError
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
