@@ -174,12 +174,17 @@ class Scheduler:
                 await pubsub.aclose()
 
     async def settle_events(self) -> int:
-        """Test signal: apply what is on the events streams now; returns how many events."""
+        """Test signal: apply what is on the events streams now; returns how many events.
+
+        The actor keeps reading on its own meanwhile, so a final Sync waits for any
+        batch it took during this pass to be committed too.
+        """
         await sync(self.events)
         await self.events.refresh_pools()
         total = 0
         while applied := await self.events.run_once():
             total += applied
+        await sync(self.events)
         return total
 
     async def settle(self) -> None:
