@@ -1,11 +1,14 @@
-"""`herdwick loadtest e2e`: a herd through real SDK workers to outcomes committed in Postgres.
+"""`herdwick loadtest e2e`: jobs through real SDK workers to outcomes committed in Postgres.
 
 Due -> published -> leased by `herdwick worker` processes running a no-op
-handler -> completed -> applied by the execution-event actor. Reports the
-time until every execution has succeeded in Postgres, due->lease lag (from
-the lease time Redis stamped on each attempt), and Postgres transactions
-and Redis commands per execution (this run's database and the whole Redis
-server: keep the machine otherwise quiet).
+handler -> completed -> applied by the execution-event actor. The load is a
+herd (--jobs, all due in one second), a steady rate (--rate for --duration,
+the herd load test's own steady generator), or both at once. Reports, for
+each, due->lease lag (from the lease time Redis stamped on each attempt) and
+when every execution had succeeded in Postgres; the events stream's length
+and the ready stream's consumer-group lag, sampled through the run; and
+Postgres transactions and Redis commands per execution (this run's database
+and the whole Redis server: keep the machine otherwise quiet).
 """
 
 from __future__ import annotations
@@ -13,21 +16,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import math
 import os
 import secrets
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
+from herdwick.config import ConfigError
 from loadtest.common import require_loopback
 from loadtest.herd import (
     PARK_AHEAD,
+    Background,
     JobFactory,
+    Plan,
     Progress,
+    RunFailed,
+    SchedulerProcess,
+    TenantRef,
+    Watch,
     create_tenants,
     delete_keys,
     herd_batches,
@@ -35,36 +49,90 @@ from loadtest.herd import (
     leases_settled,
     move_herd,
     pool_names,
+    running,
     scheduler_processes,
     scratch_database,
     tenant_counts,
 )
+from storage import keys
 from storage.db import Database
+from storage.hot import HotTier
 
 POLL_S = 0.1
+SAMPLE_S = 0.5  # the streams' sampling interval
+SAMPLE_COMMANDS = 2  # XLEN and XINFO GROUPS: what one sample adds to the server's count
+
+# The tool's own statements on its scratch database, as in loadtest/herd.py.
+# Herd and steady jobs are told apart by job id alone, without a join: ids are
+# UUIDv7, time-ordered, and every herd job is made before `steady_from`
+# ($1, the floor of that instant's ids), every steady job after it.
 _LAG_SQL = """
-SELECT percentile_disc(ARRAY[0.5, 0.95, 0.99, 1.0]) WITHIN GROUP (
-           ORDER BY extract(epoch FROM started_at - scheduled_for) * 1000)
-FROM executions WHERE started_at IS NOT NULL"""
-_DONE_SQL = "SELECT count(*) FILTER (WHERE state = 'succeeded'), count(*) FROM executions"
+SELECT e.job_id >= $1 AS steady,
+       percentile_disc(ARRAY[0.5, 0.95, 0.99, 1.0]) WITHIN GROUP (
+           ORDER BY extract(epoch FROM e.started_at - e.scheduled_for) * 1000) AS lag_ms,
+       max(e.scheduled_for) AS last_due
+FROM executions e WHERE e.started_at IS NOT NULL GROUP BY 1"""
+_DONE_SQL = """
+SELECT count(*) FILTER (WHERE state = 'succeeded' AND job_id < $1),
+       count(*) FILTER (WHERE state = 'succeeded' AND job_id >= $1)
+FROM executions"""
 _XACTS_SQL = "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
 
 
-class Report(msgspec.Struct, kw_only=True):
+class Steady(msgspec.Struct, frozen=True, kw_only=True):
+    rate_per_s: float
+    duration_s: float
+    delay_s: float  # each job is inserted (and notified) this long before it falls due
     jobs: int
+    succeeded: int
+    last_succeeded_after_last_due_s: float  # all had succeeded in Postgres by then
+    lease_lag_ms: dict[str, float]
+    generator_late_max_ms: float  # how far the generator's inserts fell behind its schedule
+
+
+class StreamSamples(msgspec.Struct, frozen=True, kw_only=True):
+    """Every SAMPLE_S from the move (or the steady start), and once more when all have
+    succeeded.
+
+    The event actor XDELs what it has committed, so the events stream's length is
+    its backlog; `ready_lag` is the workers group's XINFO GROUPS lag (entries not yet
+    delivered to a worker), None where Redis could not tell.
+    """
+
+    every_s: float
+    samples: int
+    events_len_max: int
+    events_len_last: int
+    ready_lag_max: int | None
+    ready_lag_last: int | None
+
+
+class Report(msgspec.Struct, kw_only=True):
+    jobs: int  # the herd; 0 for a steady rate alone
     schedulers: int
     workers: int
-    succeeded: int
-    last_succeeded_after_due_s: float
-    jobs_per_s: float
-    lease_lag_ms: dict[str, float]
+    succeeded: int  # herd and steady
+    # The herd's figures; None without a herd.
+    last_succeeded_after_due_s: float | None
+    jobs_per_s: float | None
+    lease_lag_ms: dict[str, float] | None
+    steady: Steady | None
+    streams: StreamSamples
+    # Without the tool's own polls, samples and the steady jobs' inserts and notifies.
     pg_transactions_per_execution: float
     redis_commands_per_execution: float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--jobs", type=int, default=50_000, help="herd size, all due in one second")
+    a("--jobs", type=int, default=50_000,
+      help="herd size, all due in one second; default 50000; 0 for a steady rate alone")
+    a("--rate", type=float, default=0.0,
+      help="steady jobs/s (as `loadtest herd --rate`), alone or beside the herd; default 0")
+    a("--duration", type=float, default=20.0, help="seconds of the steady rate; default 20")
+    a("--delay", type=float, default=2.5,
+      help="steady jobs are inserted and notified this many seconds before due; "
+      "default 2.5")
     a("--tenants", type=int, default=10)
     a("--schedulers", type=int, default=1)
     a("--workers", type=int, default=2, help="`herdwick worker` processes")
@@ -75,6 +143,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                "postgresql://postgres@127.0.0.1:5432/postgres"))
     a("--redis-url", default=os.environ.get("HERDWICK_REDIS_URL", "redis://127.0.0.1:6379/0"))
     a("--json", action="store_true")
+
+
+def plan_from(args: argparse.Namespace) -> Plan:
+    """The herd load test's Plan: its limits check the flags, and its Background reads it."""
+    try:
+        plan = msgspec.convert(
+            {"jobs": args.jobs, "tenants": args.tenants, "due_in_s": args.due_in,
+             "rate": args.rate, "duration_s": args.duration, "delay_s": args.delay,
+             "schedulers": args.schedulers, "timeout_s": args.timeout}, Plan)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"loadtest e2e: {exc}") from None
+    if plan.jobs == 0 and plan.rate == 0:
+        raise ConfigError("loadtest e2e: nothing to run: give --jobs, --rate or both")
+    return plan
 
 
 @contextlib.asynccontextmanager
@@ -100,35 +182,151 @@ async def worker_processes(count: int, redis_url: str, prefix: str, pool: str,
                 await proc.wait()
 
 
-async def _commands(client: aioredis.Redis) -> int:
+class ServerCounts(msgspec.Struct, frozen=True, kw_only=True):
+    """Transactions committed in this run's database; commands the Redis server has run,
+    and its PUBLISHes among them (only the steady jobs' notifies publish)."""
+
+    xacts: int
+    commands: int
+    publishes: int
+
+    def minus(self, before: ServerCounts) -> ServerCounts:
+        return ServerCounts(xacts=self.xacts - before.xacts,
+                            commands=self.commands - before.commands,
+                            publishes=self.publishes - before.publishes)
+
+
+async def server_counts(db: Database, client: aioredis.Redis) -> ServerCounts:
+    async with db.connection() as conn:
+        xacts = await conn.fetchval(_XACTS_SQL)
     stats = await client.info("commandstats")
-    return sum(int(v["calls"]) for v in stats.values())
+    return ServerCounts(xacts=xacts, commands=sum(int(v["calls"]) for v in stats.values()),
+                        publishes=int(stats.get("cmdstat_publish", {}).get("calls", 0)))
 
 
-async def _until_done(db: Database, jobs: int, deadline: float, progress: Progress) -> float:
+def uuid7_floor(at: datetime) -> uuid.UUID:
+    """Below every UUIDv7 made at or after `at` (herdwick.ids.uuid7's layout)."""
+    return uuid.UUID(int=int(at.timestamp() * 1000) << 80)
+
+
+class StreamSampler:
+    """Samples the pool's events and ready streams; its task writes, the run reads after."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str, pool: str) -> None:
+        self._client = client
+        self._events = keys.events_stream(prefix, pool)
+        self._ready = keys.ready_stream(prefix, pool)
+        self.events_len: list[int] = []
+        self.ready_lag: list[int | None] = []
+
+    async def run(self) -> None:
+        while True:
+            await self.sample()
+            await asyncio.sleep(SAMPLE_S)
+
+    async def sample(self) -> None:
+        self.events_len.append(await self._client.xlen(self._events))
+        self.ready_lag.append(await self._ready_lag())
+
+    async def _ready_lag(self) -> int | None:
+        try:
+            groups = await self._client.xinfo_groups(self._ready)
+        except ResponseError:  # no stream yet: nothing published
+            return 0
+        lags = [g["lag"] for g in groups if g["name"] == keys.WORKERS_GROUP.encode()]
+        return lags[0] if lags else 0
+
+    @property
+    def samples(self) -> int:
+        return len(self.events_len)
+
+    def result(self) -> StreamSamples:
+        known = [lag for lag in self.ready_lag if lag is not None]
+        return StreamSamples(every_s=SAMPLE_S, samples=self.samples,
+                             events_len_max=max(self.events_len, default=0),
+                             events_len_last=self.events_len[-1] if self.events_len else 0,
+                             ready_lag_max=max(known, default=None),
+                             ready_lag_last=self.ready_lag[-1] if self.ready_lag else None)
+
+
+class Outcomes:
+    """What Postgres says has succeeded, herd and steady apart; polled by _until_done.
+
+    `steady_jobs` is None until the generator has made its last job.
+    """
+
+    def __init__(self, db: Database, herd_jobs: int, steady_from: uuid.UUID) -> None:
+        self._db, self._steady_from = db, steady_from
+        self.herd_jobs = herd_jobs
+        self.steady_jobs: int | None = None
+        self.herd = self.steady = 0
+        self.herd_done_at: float | None = None  # wall clock, when all had succeeded
+        self.steady_done_at: float | None = None
+        self.polls = 0
+
+    async def poll(self) -> bool:
+        async with self._db.connection() as conn:
+            self.herd, self.steady = await conn.fetchrow(_DONE_SQL, self._steady_from)
+        self.polls += 1
+        now = time.time()
+        if self.herd_done_at is None and self.herd >= self.herd_jobs:
+            self.herd_done_at = now
+        if (self.steady_done_at is None and self.steady_jobs is not None
+                and self.steady >= self.steady_jobs):
+            self.steady_done_at = now
+        return self.herd_done_at is not None and self.steady_done_at is not None
+
+    def detail(self) -> str:
+        steady = "-" if self.steady_jobs is None else self.steady_jobs
+        return f"succeeded: herd {self.herd}/{self.herd_jobs}  steady {self.steady}/{steady}"
+
+
+def _check_alive(schedulers: list[SchedulerProcess], workers: list[asyncio.subprocess.Process],
+                 helpers: list[asyncio.Task]) -> None:
+    """A dead child process or a failed helper task (the sampler, the steady generator)
+    fails the run now rather than as a timeout later."""
+    for proc in schedulers:
+        proc.check_alive()
+    for worker in workers:
+        if worker.returncode is not None:
+            raise RunFailed(f"herdwick worker pid {worker.pid} exited ({worker.returncode})")
+    for task in helpers:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise RunFailed(f"{task.get_name()} failed") from task.exception()
+
+
+async def _until_done(outcomes: Outcomes, background: Background,
+                      generator: asyncio.Task | None, check_alive: Callable[[], None],
+                      deadline: float) -> None:
     while True:
-        async with db.connection() as conn:
-            done, total = await conn.fetchrow(_DONE_SQL)
-        progress.set("e2e", lambda d=done, t=total: f"succeeded {d}/{jobs} (executions {t})")
-        if done >= jobs:
-            return time.time()
+        if generator is None:
+            outcomes.steady_jobs = 0
+        elif generator.done():
+            check_alive()  # a generator that failed made fewer jobs than it should have
+            outcomes.steady_jobs = background.made
+        if await outcomes.poll():
+            return
+        check_alive()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"only {done} of {jobs} succeeded before the timeout")
+            raise RunFailed(f"not all succeeded before the timeout: {outcomes.detail()}")
         await asyncio.sleep(POLL_S)
 
 
 async def run(args: argparse.Namespace, progress: Progress) -> Report:
+    plan = plan_from(args)
     require_loopback(args.database_url, "--database-url")
     require_loopback(args.redis_url, "--redis-url")
     prefix, name = f"hwe2e{secrets.token_hex(4)}", f"hw_e2e_{secrets.token_hex(5)}"
     pool = pool_names(1)[0]
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + plan.timeout_s
     client = aioredis.from_url(args.redis_url)
     try:
         async with scratch_database(args.database_url, name, False, progress) as dsn:
-            db = await Database.connect(dsn, max_size=8)
+            # the steady generator inserts for every tenant at once, beside the polls
+            db = await Database.connect(dsn, max_size=8 + plan.tenants)
             try:
-                return await _measure(args, db, dsn, client, prefix, pool, deadline, progress)
+                return await _measure(args, plan, db, dsn, client, prefix, pool, deadline,
+                                      progress)
             finally:
                 await db.close()
     finally:
@@ -136,48 +334,125 @@ async def run(args: argparse.Namespace, progress: Progress) -> Report:
         await client.aclose()
 
 
-async def _measure(args, db, dsn, client, prefix, pool, deadline, progress) -> Report:
-    tenants = await create_tenants(db, args.tenants)
+async def _insert_herd(db: Database, plan: Plan, factory: JobFactory,
+                       tenants: list[TenantRef], progress: Progress) -> datetime | None:
+    """The herd parked a day ahead; returns the parking instant (None without a herd)."""
+    if plan.jobs == 0:
+        return None
     parked = (datetime.now(UTC) + PARK_AHEAD).replace(microsecond=0)
-    batches = herd_batches(JobFactory([pool]), tenants,
-                           tenant_counts(args.jobs, args.tenants, 0.0), parked)
+    batches = herd_batches(factory, tenants, tenant_counts(plan.jobs, plan.tenants, 0.0), parked)
     progress.set("insert")
     await insert_batches(db, batches, 4, lambda n: None)
-    async with scheduler_processes(args.schedulers, dsn, args.redis_url, prefix) as procs, \
-            worker_processes(args.workers, args.redis_url, prefix, pool, args.concurrency):
+    return parked
+
+
+async def _measure(args, plan, db, dsn, client, prefix, pool, deadline, progress) -> Report:
+    tenants = await create_tenants(db, plan.tenants)
+    factory = JobFactory([pool])
+    parked = await _insert_herd(db, plan, factory, tenants, progress)
+    async with scheduler_processes(plan.schedulers, dsn, args.redis_url, prefix) as procs, \
+            worker_processes(args.workers, args.redis_url, prefix, pool,
+                             args.concurrency) as workers:
         await leases_settled(db, procs, deadline)
+        before = await server_counts(db, client)
+        steady_from = uuid7_floor(datetime.now(UTC))
+        due = None
+        if parked is not None:
+            due = datetime.fromtimestamp(math.ceil(time.time() + plan.due_in_s), UTC)
+            await move_herd(db, parked, due)
+        # The Watch only keeps count here: the workers, not the tool, read the ready stream.
+        background = Background(plan, db, HotTier(client, prefix), tenants, factory, Watch())
+        sampler = StreamSampler(client, prefix, pool)
+        outcomes = Outcomes(db, plan.jobs, steady_from)
+        progress.set("e2e", outcomes.detail)
+        async with contextlib.AsyncExitStack() as stack:
+            helpers = [await stack.enter_async_context(running(sampler.run()))]
+            helpers[0].set_name("the streams sampler")
+            generator = None
+            if plan.rate > 0:
+                generator = await stack.enter_async_context(running(background.run()))
+                generator.set_name("the steady generator")
+                helpers.append(generator)
+            await _until_done(outcomes, background, generator,
+                              functools.partial(_check_alive, procs, workers, helpers), deadline)
+        await sampler.sample()  # the last one when all have succeeded: what is left behind
+        spent = (await server_counts(db, client)).minus(before)
         async with db.connection() as conn:
-            xacts0 = await conn.fetchval(_XACTS_SQL)
-        commands0 = await _commands(client)
-        due = datetime.fromtimestamp(math.ceil(time.time() + args.due_in), UTC)
-        await move_herd(db, parked, due)
-        finished = await _until_done(db, args.jobs, deadline, progress)
-        async with db.connection() as conn:
-            xacts = await conn.fetchval(_XACTS_SQL) - xacts0
-            lags = await conn.fetchval(_LAG_SQL)
-        commands = await _commands(client) - commands0
-    after_due = finished - due.timestamp()
-    return Report(jobs=args.jobs, schedulers=args.schedulers, workers=args.workers,
-                  succeeded=args.jobs, last_succeeded_after_due_s=round(after_due, 2),
-                  jobs_per_s=round(args.jobs / after_due),
-                  lease_lag_ms=dict(zip(("p50", "p95", "p99", "max"),
-                                        [round(float(v)) for v in lags], strict=True)),
-                  pg_transactions_per_execution=round(xacts / args.jobs, 3),
-                  redis_commands_per_execution=round(commands / args.jobs, 3))
+            lags = {row["steady"]: LeaseLag(ms=_percentiles(row["lag_ms"]),
+                                            last_due=row["last_due"])
+                    for row in await conn.fetch(_LAG_SQL, steady_from)}
+    herd_lag, steady_lag = lags.get(False), lags.get(True)
+    after_due = None if due is None else outcomes.herd_done_at - due.timestamp()
+    executions = plan.jobs + background.made
+    # Each steady insert is one insert_jobs transaction and one notify PUBLISH: the
+    # gateway's work (loadtest submit measures it), not the pipeline's, so it is left
+    # out, like the tool's own polls and samples.
+    xacts = spent.xacts - outcomes.polls - spent.publishes
+    commands = spent.commands - SAMPLE_COMMANDS * sampler.samples - spent.publishes
+    return Report(
+        jobs=plan.jobs, schedulers=plan.schedulers, workers=args.workers,
+        succeeded=outcomes.herd + outcomes.steady,
+        last_succeeded_after_due_s=None if after_due is None else round(after_due, 2),
+        jobs_per_s=None if after_due is None else round(plan.jobs / after_due),
+        lease_lag_ms=None if herd_lag is None else herd_lag.ms,
+        steady=None if steady_lag is None else _steady(plan, outcomes, background, steady_lag),
+        streams=sampler.result(),
+        pg_transactions_per_execution=round(xacts / executions, 3),
+        redis_commands_per_execution=round(commands / executions, 3))
 
 
-def _text(r: Report) -> str:
-    lag = r.lease_lag_ms
-    return "\n".join([
-        f"herdwick loadtest e2e: {r.jobs} jobs due in one second; {r.schedulers} scheduler, "
-        f"{r.workers} worker process(es) with a no-op handler",
-        f"  all {r.succeeded} succeeded in Postgres {r.last_succeeded_after_due_s} s after due "
-        f"({r.jobs_per_s:,} jobs/s end to end)",
-        f"  due -> lease lag ms: p50 {lag['p50']}  p95 {lag['p95']}  p99 {lag['p99']}  "
-        f"max {lag['max']}",
-        f"  per execution: {r.pg_transactions_per_execution} Postgres transactions (whole "
-        f"run, this database), {r.redis_commands_per_execution} Redis commands (server-wide)",
-    ])
+class LeaseLag(msgspec.Struct, frozen=True):
+    """One kind's (herd or steady) row of _LAG_SQL."""
+
+    ms: dict[str, float]
+    last_due: datetime
+
+
+def _percentiles(lag_ms: list[float]) -> dict[str, float]:
+    return dict(zip(("p50", "p95", "p99", "max"), [round(float(v)) for v in lag_ms],
+                    strict=True))
+
+
+def _steady(plan: Plan, outcomes: Outcomes, background: Background, lag: LeaseLag) -> Steady:
+    assert outcomes.steady_done_at is not None  # _until_done returned
+    return Steady(rate_per_s=plan.rate, duration_s=plan.duration_s, delay_s=plan.delay_s,
+                  jobs=background.made, succeeded=outcomes.steady,
+                  last_succeeded_after_last_due_s=round(
+                      outcomes.steady_done_at - lag.last_due.timestamp(), 2),
+                  lease_lag_ms=lag.ms,
+                  generator_late_max_ms=round(background.late_max_s * 1000, 1))
+
+
+def _lag_line(lag: dict[str, float]) -> str:
+    return (f"    due -> lease lag ms: p50 {lag['p50']}  p95 {lag['p95']}  p99 {lag['p99']}  "
+            f"max {lag['max']}")
+
+
+def render_text(r: Report) -> str:
+    lines = [f"herdwick loadtest e2e: {r.schedulers} scheduler, {r.workers} worker "
+             f"process(es) with a no-op handler; {r.succeeded} executions succeeded"]
+    if r.lease_lag_ms is not None:
+        lines += [f"  herd: {r.jobs} jobs due in one second",
+                  f"    all succeeded in Postgres {r.last_succeeded_after_due_s} s after due "
+                  f"({r.jobs_per_s:,} jobs/s end to end)", _lag_line(r.lease_lag_ms)]
+    if (s := r.steady) is not None:
+        lines += [f"  steady: {s.rate_per_s:g} jobs/s for {s.duration_s:g} s ({s.jobs} jobs), "
+                  f"each inserted {s.delay_s:g} s before due; the generator at most "
+                  f"{s.generator_late_max_ms} ms late",
+                  f"    all {s.succeeded} succeeded in Postgres "
+                  f"{s.last_succeeded_after_last_due_s} s after the last due time",
+                  _lag_line(s.lease_lag_ms)]
+    st = r.streams
+    lines += [
+        f"  events stream length, sampled every {st.every_s:g} s ({st.samples} samples): "
+        f"max {st.events_len_max}, last {st.events_len_last}",
+        f"  ready stream, workers group lag: max {st.ready_lag_max}, last {st.ready_lag_last}",
+        f"  per execution: {r.pg_transactions_per_execution} Postgres transactions (this "
+        "database, idle shard loads included),",
+        f"    {r.redis_commands_per_execution} Redis commands (server-wide); the tool's own "
+        "polls and the steady jobs' inserts left out",
+    ]
+    return "\n".join(lines)
 
 
 async def command(args: argparse.Namespace) -> int:
@@ -187,5 +462,5 @@ async def command(args: argparse.Namespace) -> int:
         report = await run(args, progress)
     finally:
         ticker.cancel()
-    print(msgspec.json.encode(report).decode() if args.json else _text(report))
+    print(msgspec.json.encode(report).decode() if args.json else render_text(report))
     return 0
