@@ -84,6 +84,9 @@ class Actor:
     async def on_stop(self) -> None:
         """Runs after the loop ends, on Stop, cancellation or crash."""
 
+    async def quiesce(self) -> None:
+        """Before a Sync is answered: finish work this actor left running in the background."""
+
     async def handle(self, msg: object | None) -> None:
         raise NotImplementedError
 
@@ -97,6 +100,7 @@ class Actor:
                     self.stopped = True
                     break
                 if isinstance(msg, Sync):
+                    await self.quiesce()
                     msg.done.set()
                     continue
                 await self.handle(msg)

@@ -9,9 +9,12 @@ the replay changes nothing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import uuid
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 import msgspec
 
@@ -121,7 +124,14 @@ def next_after(now: datetime):
 
 
 class ExecutionEvents(Actor):
-    """Its mailbox is the events streams; Tick refreshes the set of pools to read."""
+    """Its mailbox is the events streams; Tick refreshes the set of pools to read.
+
+    One batch commits in the background (`_committing`) while the next is
+    read and folded, so Postgres and this process work at once; run_once
+    starts a batch only after the one before it committed. (Tests call
+    run_once beside the actor's own loop; every write is fenced and moves
+    state only forward, so two callers' batches may commit in any order.)
+    """
 
     name = "execution-events"
 
@@ -135,15 +145,26 @@ class ExecutionEvents(Actor):
         self._db_now = db_now
         self._pools: list[str] = []
         self._busy = False
-        # After a restart, first re-read what this consumer had read but not acked.
         self._replay = True
+        self._committing: list[asyncio.Task] = []  # oldest first
         self.applied = 0  # events applied; read by tests and reports
 
     def idle_timeout(self) -> float | None:
         return 0 if self._busy else IDLE_POLL_S
 
     async def on_start(self) -> None:
+        # After a (re)start, first re-read what this consumer had read but not acked.
+        self._replay = True
         await self.refresh_pools()
+
+    async def on_stop(self) -> None:
+        with contextlib.suppress(Exception):  # a failed commit is replayed at the next start
+            await self.quiesce()
+
+    async def quiesce(self) -> None:
+        """Wait for the batches committing in the background; a failure is raised here."""
+        while self._committing:
+            await self._committing.pop(0)
 
     async def handle(self, msg: object | None) -> None:
         if isinstance(msg, Tick):
@@ -160,14 +181,27 @@ class ExecutionEvents(Actor):
         self._pools = sorted(pools)
 
     async def run_once(self) -> int:
-        """Read one batch from every pool, apply it in one transaction, then ack it."""
+        """Read one batch from every pool and start committing it (then ack it); -> its size.
+
+        Returns once the previous batch is committed; a pass that finds nothing
+        also waits for the batch in flight, so 0 means everything read is applied.
+        """
         if not self._pools:
+            await self.quiesce()
             return 0
-        events = await self._read("0") if self._replay else []
-        if not events:
-            self._replay = False
+        if self._replay:  # "0" re-reads our own unacked entries: the batch in flight too
+            await self.quiesce()
+            events = await self._read("0")
+            self._replay = bool(events)
+            if not events:
+                events = await self._read(">")
+        else:
             events = await self._read(">")
-        return await self._apply(events) if events else 0
+        folded = self._fold(events) if events else None
+        await self.quiesce()
+        if folded is not None:
+            self._committing.append(asyncio.create_task(self._commit(events, folded)))
+        return len(events)
 
     async def _read(self, from_id: str) -> list[tuple[str, Event]]:
         events: list[tuple[str, Event]] = []
@@ -179,20 +213,33 @@ class ExecutionEvents(Actor):
 
     async def claim_stale(self) -> int:
         """Take over what a dead node's consumer read and never applied."""
+        await self.quiesce()
         events: list[tuple[str, Event]] = []
         for pool in self._pools:
             got = await self._protocol.claim_stale_events(pool, GROUP, self._node_id, STALE_MS,
                                                           READ_COUNT)
             events += [(pool, e) for e in got]
-        return await self._apply(events) if events else 0
+        if events:
+            await self._commit(events, self._fold(events))
+        return len(events)
 
-    async def _apply(self, events: list[tuple[str, Event]]) -> int:
+    def _fold(self, events: list[tuple[str, Event]]) -> _Folded:
         updates, attempts = collapse([e for _, e in events])
-        now = None if self._db_now else self.clock.now()
-        await store.apply(self._db, updates, attempts, now, shard_of,
-                          next_after(self.clock.now()))
+        return _Folded(updates, attempts, None if self._db_now else self.clock.now(),
+                       self.clock.now())
+
+    async def _commit(self, events: list[tuple[str, Event]], folded: _Folded) -> None:
+        """Apply in one transaction, then ack: a crash between the two replays, harmlessly."""
+        await store.apply(self._db, folded.updates, folded.attempts, folded.now, shard_of,
+                          next_after(folded.clock_now))
         for pool in {p for p, _ in events}:
             await self._protocol.ack_events(pool, GROUP,
                                             [e.stream_id for p, e in events if p == pool])
         self.applied += len(events)
-        return len(events)
+
+
+class _Folded(NamedTuple):
+    updates: list[ExecutionUpdate]
+    attempts: list[AttemptRow]
+    now: datetime | None  # for SQL: None = the database's clock
+    clock_now: datetime  # for the next occurrence of forbid-overlap jobs
