@@ -10,14 +10,17 @@
     await worker.run()           # until worker.stop(), or the `stop` event given to run()
 
 Who owns what: the read loop alone reads the ready stream, claims messages
-whose reader died and counts free slots (`_free`); every execution task
-releases its slot when it ends. Each leased attempt runs as one task
-(`_Execution`) that owns its handler task, its lease keeper and its report.
+whose reader died and counts free slots (`_free`); every execution releases
+its slot when it ends. Each leased attempt is an `_Execution`: its handler's
+task, plus callbacks and timers for its lease, timeout and report (no task
+of its own: at thousands of attempts a second, tasks are the cost). Every
+Redis call but the blocking read goes through one coalescing pipeline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -90,152 +93,255 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Pipeline:
-    """Coalesces concurrent FCALLs into one pipeline per round trip.
+    """Coalesces concurrent commands into one pipeline per round trip.
 
-    Execution tasks await `call()`; `run()`, a task owned by Worker.run, sends
-    whatever queued while the previous pipeline was in flight. Heartbeats and
-    reports so cost O(1) round trips per batch rather than per job, and one
-    connection whatever the concurrency (redis-py's pool refuses, rather than
-    queues, past its connection limit).
+    `submit()` queues a command and returns a future of its reply;
+    `submit_item()` queues one item of a batch function (hw_complete_batch),
+    so that the items queued meanwhile go as one call. `run()`, a task owned
+    by Worker.run, sends whatever queued while the previous pipeline was in
+    flight and resolves the futures. Leases, reports and acks so cost O(1)
+    round trips and O(1) commands per batch rather than per job, on one
+    connection whatever the concurrency (redis-py's pool refuses, rather
+    than queues, past its connection limit).
     """
 
     def __init__(self, client: aioredis.Redis) -> None:
         self._client = client
-        self._queue: list[tuple[tuple, asyncio.Future]] = []  # appended by call(), taken by run()
+        self._loop = asyncio.get_running_loop()
+        # Appended by submit() and submit_item(), taken by run().
+        self._queue: list[tuple[tuple, asyncio.Future | list[asyncio.Future]]] = []
+        self._items: dict[tuple, list[tuple[tuple, asyncio.Future]]] = {}
         self._wake = asyncio.Event()
 
-    async def call(self, *args: Any) -> Any:
-        """FCALL args...; a Redis error reply or a failed round trip raises RedisError."""
-        future = asyncio.get_running_loop().create_future()
+    def submit(self, *args: Any) -> asyncio.Future:
+        """Queue one command; a Redis error reply or a failed round trip lands as RedisError."""
+        future = self._loop.create_future()
         self._queue.append((args, future))
         self._wake.set()
-        return await future
+        return future
+
+    def submit_item(self, head: tuple, *item: Any) -> asyncio.Future:
+        """Queue `item` for the call `head + items...`, whose reply has one element per item."""
+        future = self._loop.create_future()
+        self._items.setdefault(head, []).append((item, future))
+        self._wake.set()
+        return future
 
     async def run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue:
+            while self._queue or self._items:
+                self._fold_items()
                 batch = self._queue[:MAX_PIPELINE]
                 del self._queue[:MAX_PIPELINE]
                 await self._send(batch)
 
-    async def _send(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+    def _fold_items(self) -> None:
+        for head, items in self._items.items():
+            for start in range(0, len(items), MAX_PIPELINE):
+                chunk = items[start:start + MAX_PIPELINE]
+                self._queue.append(((*head, *(a for item, _ in chunk for a in item)),
+                                    [future for _, future in chunk]))
+        self._items.clear()
+
+    async def _send(self, batch: list[tuple[tuple, asyncio.Future | list[asyncio.Future]]]) -> None:
         pipe = self._client.pipeline(transaction=False)
         for args, _ in batch:
-            pipe.fcall(*args)
+            pipe.execute_command(*args)
         try:
             replies = await pipe.execute(raise_on_error=False)
         except RedisError as exc:
             replies = [exc] * len(batch)
         except BaseException:  # cancelled at shutdown: nobody is left to answer them
-            for _, future in batch:
-                future.cancel()
+            for _, futures in batch:
+                for future in futures if isinstance(futures, list) else [futures]:
+                    future.cancel()
             raise
-        for (_, future), reply in zip(batch, replies, strict=True):
-            if future.done():  # its caller was cancelled
-                continue
-            if isinstance(reply, Exception):
-                future.set_exception(reply)
+        for (_, futures), reply in zip(batch, replies, strict=True):
+            if isinstance(futures, list):
+                if isinstance(reply, Exception):
+                    reply = [reply] * len(futures)
+                for future, element in zip(futures, reply, strict=True):
+                    _resolve(future, element)
             else:
-                future.set_result(reply)
+                _resolve(futures, reply)
+
+
+def _resolve(future: asyncio.Future, reply: Any) -> None:
+    if future.done():  # its caller was cancelled
+        return
+    if isinstance(reply, Exception):
+        future.set_exception(reply)
+    else:
+        future.set_result(reply)
+
+
+async def _all_settled(futures: list[asyncio.Future]) -> list[Any]:
+    """Replies (or their exceptions) of futures from one _Pipeline, in order.
+
+    The pipeline resolves futures in submission order, so once the last is
+    done every one is.
+    """
+    if futures:
+        await asyncio.wait((futures[-1],))
+    return [f.exception() or f.result() for f in futures]
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Done callback of a fire-and-forget call: its failure is logged, not left unretrieved."""
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        log.warning("event=redis_call_failed error=%s", exc)
 
 
 class _Calls:
-    """The worker-side FCALLs on one pool, as the contract lists them; LEASE_LOST is None."""
+    """The worker-side FCALLs on one pool, as the contract lists them, queued on the pipeline."""
 
-    def __init__(self, client: aioredis.Redis, pipeline: _Pipeline, base: str, worker_id: str,
-                 lease_s: float) -> None:
+    def __init__(self, client: aioredis.Redis, pipeline: _Pipeline, base: str, ready: str,
+                 worker_id: str, lease_s: float) -> None:
         self.client = client
         self.pipeline = pipeline
         self.base = base
+        self.ready = ready
         self.worker_id = worker_id
         self.lease_arg = f"{lease_s:g}"
 
     async def lease_many(self, messages: list[_Message]) -> list[int | Exception | None]:
-        """One pipeline for a batch; a per-message error reply comes back as the exception."""
-        pipe = self.client.pipeline(transaction=False)
-        for m in messages:
-            pipe.fcall("hw_lease", 1, self.base, self.worker_id, self.lease_arg,
-                       m.execution_id, m.attempt)
-        replies = await pipe.execute(raise_on_error=False)
-        return [r if isinstance(r, Exception) else self._until(r) for r in replies]
+        """Lease a batch in one call; a failed call comes back as its error, for each message."""
+        args = [a for m in messages for a in (m.execution_id, m.attempt)]
+        try:
+            replies = await self.pipeline.submit("FCALL", "hw_lease_batch", 1, self.base,
+                                                 self.worker_id, self.lease_arg, *args)
+        except RedisError as exc:
+            return [exc] * len(messages)
+        return [_until(r) for r in replies]
 
-    async def heartbeat(self, execution_id: str, attempt: int) -> int | None:
-        return self._until(await self.pipeline.call(
-            "hw_heartbeat", 1, self.base, execution_id, attempt, self.worker_id, self.lease_arg))
+    def ack(self, message_ids: list) -> None:
+        """XACK, fire and forget: a lost ack only means a later claim, which meets LEASE_LOST."""
+        self.pipeline.submit("XACK", self.ready, keys.WORKERS_GROUP,
+                             *message_ids).add_done_callback(_retrieve)
 
-    async def complete(self, execution_id: str, attempt: int, result_json: bytes) -> str:
-        reply = await self.pipeline.call("hw_complete", 1, self.base, execution_id, attempt,
-                                         self.worker_id, result_json)
-        return "lease_lost" if _status(reply) == _LEASE_LOST else "completed"
+    def heartbeat(self, execution_id: str, attempt: int) -> asyncio.Future:
+        """-> lease_until_ms, or LEASE_LOST (see _until)."""
+        return self.pipeline.submit("FCALL", "hw_heartbeat", 1, self.base, execution_id, attempt,
+                                    self.worker_id, self.lease_arg)
 
-    async def fail(self, execution_id: str, attempt: int, error_json: bytes,
-                   retryable: bool) -> str:
-        """-> "retry", "dead" or "lease_lost"."""
-        reply = await self.pipeline.call("hw_fail", 1, self.base, execution_id, attempt,
-                                         self.worker_id, error_json, int(retryable))
-        status = _status(reply)
-        if status == _LEASE_LOST:
-            return "lease_lost"
-        return "dead" if status == "DEAD" else "retry"
+    def report(self, execution_id: str, attempt: int,
+               outcome: _Completed | _Failed) -> asyncio.Future:
+        """hw_complete or hw_fail -> OK | retry_at_ms | DEAD | LEASE_LOST."""
+        match outcome:
+            case _Completed(result_json):
+                return self.pipeline.submit_item(
+                    ("FCALL", "hw_complete_batch", 1, self.base, self.worker_id),
+                    execution_id, attempt, result_json)
+            case _Failed(error_json, retryable):
+                return self.pipeline.submit("FCALL", "hw_fail", 1, self.base, execution_id,
+                                            attempt, self.worker_id, error_json, int(retryable))
 
-    @staticmethod
-    def _until(reply: Any) -> int | None:
-        if _status(reply) == _LEASE_LOST:
-            return None
-        return int(reply)
+
+def _until(reply: Any) -> int | None:
+    """A lease or heartbeat reply: lease_until_ms, or None for LEASE_LOST."""
+    if _status(reply) == _LEASE_LOST:
+        return None
+    return int(reply)
+
+
+def _said(outcome: _Completed | _Failed, reply: Any) -> str:
+    status = _status(reply)
+    if status == _LEASE_LOST:
+        return "lease_lost"
+    if isinstance(outcome, _Completed):
+        return "completed"
+    return "dead" if status == "DEAD" else "retry"
 
 
 class _Lease:
-    """The lease on one attempt, renewed by its keeper task and by ctx.heartbeat().
+    """The lease on one attempt, renewed on a timer every lease/3 and by ctx.heartbeat().
 
-    `lost` only ever goes from False to True. The local deadline is counted
-    from when the last successful call was sent, so it never outlives the
-    server's: once it passes without a renewal the outcome is unknown, and
-    we step down (STYLE.md: losing a lease is the default).
+    A timer, not a task: most attempts end long before their first renewal,
+    and a task each would cost more than a no-op handler. `lost` only ever
+    goes from False to True. The local deadline is counted from when the
+    last successful call was sent, so it never outlives the server's: once it
+    passes without a renewal the outcome is unknown, and we step down
+    (STYLE.md: losing a lease is the default).
     """
 
     def __init__(self, calls: _Calls, message: _Message, lease_s: float, sent_at: float) -> None:
         self._calls = calls
         self._message = message
         self._lease_s = lease_s
+        self._loop = asyncio.get_running_loop()
         self.deadline = sent_at + lease_s  # loop.time()
         self.lost = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._on_lost: Callable[[], None] | None = None  # set while kept
 
     async def renew(self) -> None:
         if self.lost:
             raise LeaseLost(self._message.execution_id)
-        loop = asyncio.get_running_loop()
-        sent_at = loop.time()
-        until = await self._calls.heartbeat(self._message.execution_id, self._message.attempt)
+        sent_at = self._loop.time()
+        until = _until(await self._calls.heartbeat(self._message.execution_id,
+                                                   self._message.attempt))
         if until is None:
             self.lost = True
             raise LeaseLost(self._message.execution_id)
         self.deadline = max(self.deadline, sent_at + self._lease_s)
 
-    async def keep(self, work: asyncio.Task, interval_s: float) -> None:
-        """Renew every interval until cancelled; cancel `work` once the lease is lost."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(min(interval_s, max(0.0, self.deadline - loop.time())))
-            if loop.time() >= self.deadline:
-                self.lost = True
-                log.warning("event=lease_lapsed execution_id=%s attempt=%d",
-                            self._message.execution_id, self._message.attempt)
-            else:
-                try:
-                    await self.renew()
-                except LeaseLost:
-                    pass
-                except RedisError as exc:
-                    log.warning("event=heartbeat_failed execution_id=%s error=%s",
-                                self._message.execution_id, exc)
-            if self.lost:
-                log.info("event=lease_lost execution_id=%s attempt=%d",
-                         self._message.execution_id, self._message.attempt)
-                work.cancel()
-                return
+    def keep(self, on_lost: Callable[[], None]) -> None:
+        """Renew every lease/3 until release(); call on_lost once the lease is lost."""
+        self._on_lost = on_lost
+        self._arm()
+
+    def release(self) -> None:
+        self._on_lost = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self) -> None:
+        delay = min(self._lease_s / 3, max(0.0, self.deadline - self._loop.time()))
+        self._timer = self._loop.call_later(delay, self._beat)
+
+    def _beat(self) -> None:
+        self._timer = None
+        if self._on_lost is None:
+            return
+        if self.lost:  # ctx.heartbeat() found out first
+            self._lose()
+        elif self._loop.time() >= self.deadline:
+            log.warning("event=lease_lapsed execution_id=%s attempt=%d",
+                        self._message.execution_id, self._message.attempt)
+            self._lose()
+        else:
+            sent_at = self._loop.time()
+            self._calls.heartbeat(self._message.execution_id, self._message.attempt) \
+                .add_done_callback(lambda reply: self._renewed(reply, sent_at))
+
+    def _renewed(self, reply: asyncio.Future, sent_at: float) -> None:
+        if reply.cancelled():
+            return
+        exc = reply.exception()
+        if self._on_lost is None:  # released meanwhile
+            return
+        if exc is not None:
+            log.warning("event=heartbeat_failed execution_id=%s error=%s",
+                        self._message.execution_id, exc)
+        elif _until(reply.result()) is None:
+            self.lost = True
+        else:
+            self.deadline = max(self.deadline, sent_at + self._lease_s)
+        if self.lost:
+            self._lose()
+        else:
+            self._arm()
+
+    def _lose(self) -> None:
+        self.lost = True
+        log.info("event=lease_lost execution_id=%s attempt=%d", self._message.execution_id,
+                 self._message.attempt)
+        on_lost, self._on_lost = self._on_lost, None
+        if on_lost is not None:
+            on_lost()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -293,83 +399,128 @@ def _outcome_of(work: asyncio.Task) -> _Completed | _Failed:
 
 
 class _Execution:
-    """One leased attempt: runs the handler under its lease and timeout, reports the outcome."""
+    """One leased attempt: its handler task under its lease and timeout, then its report.
 
-    def __init__(self, handler: Handler, calls: _Calls, message: _Message, lease: _Lease,
-                 heartbeat_s: float) -> None:
-        self._handler = handler
+    Driven by callbacks on the handler task and by timers, so an attempt
+    costs one task, the handler's own. It ends (`on_end`) once its outcome
+    is reported, or with nothing reported when the lease was lost or the
+    worker abandoned it at shutdown (the lease then lapses for the reaper).
+    """
+
+    def __init__(self, calls: _Calls, message: _Message, lease: _Lease,
+                 on_end: Callable[[_Execution], None]) -> None:
         self._calls = calls
-        self._message = message
+        self.message = message
         self._lease = lease
-        self._heartbeat_s = heartbeat_s
+        self._on_end = on_end
+        self._loop = asyncio.get_running_loop()
+        self._work: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the timeout, then the settle wait
+        self._timed_out = 0.0  # the timeout that ran out, if one did
+        self._abandoned = False
+        self._reporting = False
+        self._tries = 0
+        self.ended = False
 
-    async def run(self) -> None:
+    def start(self, handler: Handler) -> None:
         try:
-            ctx = Context.build(self._message, self._lease)
+            ctx = Context.build(self.message, self._lease)
         except (KeyError, ValueError, msgspec.DecodeError) as exc:
-            await self._report(_Failed(_error("MalformedMessage", repr(exc)), retryable=False))
+            self._report(_Failed(_error("MalformedMessage", repr(exc)), retryable=False))
             return
-        outcome = await self._supervise(ctx)
-        if outcome is not None and not self._lease.lost:
-            await self._report(outcome)
+        self._work = self._loop.create_task(handler(ctx), name=f"herdwick:{ctx.execution_id}")
+        self._work.add_done_callback(self._handler_done)
+        if ctx.timeout_s > 0:
+            self._timer = self._loop.call_later(ctx.timeout_s, self._time_out, ctx.timeout_s)
+        self._lease.keep(self._cancel_work)
 
-    async def _supervise(self, ctx: Context) -> _Completed | _Failed | None:
-        """Run the handler with heartbeats; None when the lease was lost (nothing to report)."""
-        work = asyncio.create_task(self._handler(ctx), name=f"herdwick:{ctx.execution_id}")
-        keeper = asyncio.create_task(self._lease.keep(work, self._heartbeat_s))
-        try:
-            done, _ = await asyncio.wait({work}, timeout=ctx.timeout_s if ctx.timeout_s > 0
-                                         else None)
-        except asyncio.CancelledError:  # shutdown past its grace: the lease will lapse
-            await _settle(work)
-            raise
-        finally:
-            keeper.cancel()
-        if not done:
-            await _settle(work)
-            log.warning("event=handler_timeout execution_id=%s attempt=%d timeout_s=%g",
-                        ctx.execution_id, ctx.attempt, ctx.timeout_s)
-            return _Failed(_error("Timeout", f"handler ran over {ctx.timeout_s:g} s"),
+    def abandon(self) -> None:
+        """Shutdown past its grace: cancel the handler, stop renewing, report nothing."""
+        if self.ended or self._reporting:
+            return  # a report in flight finishes on its own
+        self._abandoned = True
+        self._lease.release()
+        self._cancel_work()
+
+    def _time_out(self, timeout_s: float) -> None:
+        log.warning("event=handler_timeout execution_id=%s attempt=%d timeout_s=%g",
+                    self.message.execution_id, self.message.attempt, timeout_s)
+        self._timed_out = timeout_s
+        self._cancel_work()
+
+    def _cancel_work(self) -> None:
+        """Cancel the handler and give it SETTLE_S to unwind before going on without it."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(SETTLE_S, self._unsettled)
+        self._work.cancel()
+
+    def _unsettled(self) -> None:
+        self._timer = None
+        log.error("event=handler_ignores_cancel task=%s", self._work.get_name())
+        self._finish()
+
+    def _handler_done(self, work: asyncio.Task) -> None:
+        if not work.cancelled():
+            work.exception()  # retrieved: an outcome is reported, never logged as lost
+        if not self._reporting and not self.ended:
+            self._finish()
+
+    def _finish(self) -> None:
+        """The handler finished (or would not): report what it came to, if it is ours to."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._lease.release()
+        outcome = self._outcome()
+        if outcome is None:
+            self._end()
+        else:
+            self._report(outcome)
+
+    def _outcome(self) -> _Completed | _Failed | None:
+        work = self._work
+        if self._lease.lost or self._abandoned:
+            return None  # no longer ours to report / the lease will lapse
+        if self._timed_out:
+            return _Failed(_error("Timeout", f"handler ran over {self._timed_out:g} s"),
                            retryable=True)
-        if self._lease.lost:  # the outcome is no longer ours to report
-            if not work.cancelled():
-                work.exception()  # retrieved (a LeaseLost, most likely): not logged as lost
-            return None
         if work.cancelled():  # by the handler itself: nothing it did is known to have finished
             return _Failed(_error("Cancelled", "the handler was cancelled"), retryable=True)
         return _outcome_of(work)
 
-    async def _report(self, outcome: _Completed | _Failed) -> None:
-        m = self._message
-        for attempt in range(1, REPORT_ATTEMPTS + 1):
-            try:
-                match outcome:
-                    case _Completed(result_json):
-                        said = await self._calls.complete(m.execution_id, m.attempt, result_json)
-                    case _Failed(error_json, retryable):
-                        said = await self._calls.fail(m.execution_id, m.attempt, error_json,
-                                                      retryable)
-            except RedisError as exc:
-                log.warning("event=report_failed execution_id=%s try=%d error=%s",
-                            m.execution_id, attempt, exc)
-                await asyncio.sleep(REPORT_RETRY_S * attempt * random.uniform(0.5, 1.0))
-                continue
-            # debug: one line per execution would cost more than the execution at 5,000/s
-            log.debug("event=execution_%s execution_id=%s attempt=%d", said, m.execution_id,
-                      m.attempt)
+    def _report(self, outcome: _Completed | _Failed) -> None:
+        self._reporting = True
+        m = self.message
+        self._calls.report(m.execution_id, m.attempt, outcome).add_done_callback(
+            lambda reply: self._reported(reply, outcome))
+
+    def _reported(self, reply: asyncio.Future, outcome: _Completed | _Failed) -> None:
+        m = self.message
+        if reply.cancelled():  # shutdown cancelled the pipeline: the lease lapses
+            self._end()
             return
-        # The lease lapses and the reaper counts the attempt as failed.
-        log.error("event=report_abandoned execution_id=%s attempt=%d", m.execution_id, m.attempt)
+        exc = reply.exception()
+        if exc is None:
+            # debug: one line per execution would cost more than the execution at 5,000/s
+            log.debug("event=execution_%s execution_id=%s attempt=%d",
+                      _said(outcome, reply.result()), m.execution_id, m.attempt)
+        elif (tries := self._tries + 1) < REPORT_ATTEMPTS:  # complete/fail are fenced: resend
+            self._tries = tries
+            log.warning("event=report_failed execution_id=%s try=%d error=%s",
+                        m.execution_id, tries, exc)
+            self._loop.call_later(REPORT_RETRY_S * tries * random.uniform(0.5, 1.0),
+                                  self._report, outcome)
+            return
+        else:  # the lease lapses and the reaper counts the attempt as failed
+            log.error("event=report_abandoned execution_id=%s attempt=%d error=%s",
+                      m.execution_id, m.attempt, exc)
+        self._end()
 
-
-async def _settle(work: asyncio.Task) -> None:
-    """Cancel a handler task and give it SETTLE_S to unwind."""
-    work.cancel()
-    done, _ = await asyncio.wait({work}, timeout=SETTLE_S)
-    if done and not work.cancelled():
-        work.exception()  # retrieved, so asyncio does not log it as never retrieved
-    elif not done:
-        log.error("event=handler_ignores_cancel task=%s", work.get_name())
+    def _end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._on_end(self)
 
 
 class _Reader:
@@ -468,10 +619,12 @@ class Worker:
         self._done = asyncio.Event()
         self._started = False
         self._free = concurrency  # written by the read loop and by ending executions
-        self._tasks: set[asyncio.Task] = set()  # owned by run(): drained or cancelled there
-        # (execution_id, attempt) running here: hw_lease lets a holder lease again (it only
-        # extends), so a message of ours claimed back after a failed XACK must not run twice.
-        self._in_flight: set[tuple[str, int]] = set()
+        # (execution_id, attempt) -> its _Execution, while it runs here. hw_lease lets a holder
+        # lease again (it only extends), so a message of ours claimed back after a lost XACK
+        # must not run twice. Owned by run(): drained or abandoned there.
+        self._executions: dict[tuple[str, int], _Execution] = {}
+        self._idle = asyncio.Event()  # set while nothing runs
+        self._idle.set()
         self._claim_cursor = "0-0"
 
     def handler(self, fn: Handler) -> Handler:
@@ -502,7 +655,7 @@ class Worker:
         client = self._given_client or aioredis.from_url(self.redis_url)
         pipeline = _Pipeline(client)
         calls = _Calls(client, pipeline, keys.pool_base(self.key_prefix, self.pool),
-                       self.worker_id, self.lease_s)
+                       self._ready, self.worker_id, self.lease_s)
         reader = _Reader(client, self._ready, self.worker_id)
         flusher = asyncio.create_task(pipeline.run())
         watcher = asyncio.create_task(self._watch(stop)) if stop is not None else None
@@ -599,16 +752,19 @@ class Worker:
                 log.error("event=message_malformed pool=%s message_id=%s", self.pool,
                           _text(message_id))
                 settled.append(message_id)
-            elif (message.execution_id, message.attempt) in self._in_flight:
+            elif (message.execution_id, message.attempt) in self._executions:
                 settled.append(message_id)
             else:
                 messages.append(message)
         sent_at = asyncio.get_running_loop().time()
         replies = await calls.lease_many(messages) if messages else []
+        unreachable = None
         for message, reply in zip(messages, replies, strict=True):
             if isinstance(reply, Exception):  # stays pending: XAUTOCLAIM retries it
                 log.warning("event=lease_failed execution_id=%s error=%s", message.execution_id,
                             reply)
+                if not isinstance(reply, ResponseError):
+                    unreachable = reply
                 continue
             settled.append(message.message_id)
             if reply is None:
@@ -617,44 +773,39 @@ class Worker:
             else:
                 self._spawn(calls, message, _Lease(calls, message, self.lease_s, sent_at))
         if settled:
-            try:
-                await calls.client.xack(self._ready, keys.WORKERS_GROUP, *settled)
-            except RedisError as exc:  # the leases hold; a later claim sees LEASE_LOST and acks
-                log.warning("event=ack_failed pool=%s error=%s", self.pool, exc)
+            calls.ack(settled)
+        if unreachable is not None:
+            raise unreachable  # the read loop pauses before trying again
 
     def _spawn(self, calls: _Calls, message: _Message, lease: _Lease) -> None:
         assert self._handler is not None
-        execution = _Execution(self._handler, calls, message, lease, self.lease_s / 3)
-        key = (message.execution_id, message.attempt)
+        execution = _Execution(calls, message, lease, self._ended)
+        self._executions[message.execution_id, message.attempt] = execution
         self._free -= 1
-        self._in_flight.add(key)
-        task = asyncio.create_task(self._execute(execution, message))
-        self._tasks.add(task)
-        task.add_done_callback(lambda done: self._ended(done, key))
+        self._idle.clear()
+        execution.start(self._handler)
 
-    async def _execute(self, execution: _Execution, message: _Message) -> None:
-        try:
-            await execution.run()
-        except Exception:
-            log.exception("event=execution_crashed execution_id=%s", message.execution_id)
-
-    def _ended(self, task: asyncio.Task, key: tuple[str, int]) -> None:
-        self._tasks.discard(task)
-        self._in_flight.discard(key)
+    def _ended(self, execution: _Execution) -> None:
+        self._executions.pop((execution.message.execution_id, execution.message.attempt), None)
         self._free += 1
         self._wake.set()
+        if not self._executions:
+            self._idle.set()
 
     async def _drain(self, grace_s: float) -> None:
-        """Let in-flight handlers finish within grace_s; past it, cancel them (leases lapse)."""
-        if not self._tasks:
+        """Let in-flight handlers finish within grace_s; past it, abandon them (leases lapse)."""
+        if not self._executions:
             return
         log.info("event=worker_draining pool=%s in_flight=%d grace_s=%g", self.pool,
-                 len(self._tasks), grace_s)
-        pending = set(self._tasks)
+                 len(self._executions), grace_s)
         if grace_s > 0:
-            _, pending = await asyncio.wait(pending, timeout=grace_s)
-        if pending:
-            log.warning("event=grace_expired pool=%s cancelled=%d", self.pool, len(pending))
-            for task in pending:
-                task.cancel()
-            await asyncio.wait(pending)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+        if self._executions:
+            log.warning("event=grace_expired pool=%s cancelled=%d", self.pool,
+                        len(self._executions))
+            for execution in list(self._executions.values()):
+                execution.abandon()
+            # Abandoned handlers get SETTLE_S; a report in flight, its retries.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), SETTLE_S + REPORT_ATTEMPTS)

@@ -33,7 +33,7 @@ tenant_id, scheduled_for, worker_id, at_ms, and by type:
   canceled   nothing more (worker_id is the holder's, '' if none)
 ]]
 
-local LIBRARY_VERSION = '2'
+local LIBRARY_VERSION = '3'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- done, dead and canceled hashes linger this long so a late duplicate call
 -- still meets its execution (and gets LEASE_LOST), then they go.
@@ -234,15 +234,10 @@ settle, not the next comer's), its own lease already lapsed, or the
 attempt is in retry_wait or finished.
 Reply: lease_until_ms (integer) | LEASE_LOST (status).
 ]]
-local function hw_lease(keys, args)
-  local base = keys[1]
-  local worker_id = worker_arg('hw_lease', args[1])
-  local lease_ms = lease_ms_arg('hw_lease', args[2])
-  local execution_id = args[3]
-  local attempt = int_arg('hw_lease', 'attempt', args[4])
+-- One lease (hw_lease, hw_lease_batch): lease_until_ms or LEASE_LOST.
+local function lease_one(base, worker_id, lease_ms, execution_id, attempt, now)
   local hot = base .. ':x:' .. execution_id
   local h = load_hot(hot)
-  local now = now_ms()
   if h == nil or tonumber(h.attempt) ~= attempt then
     return LEASE_LOST
   end
@@ -258,6 +253,34 @@ local function hw_lease(keys, args)
     emit(base, 'leased', execution_id, h, worker_id, now, {'lease_until_ms', fmt(lease_until)})
   end
   return lease_until
+end
+
+local function hw_lease(keys, args)
+  local worker_id = worker_arg('hw_lease', args[1])
+  local lease_ms = lease_ms_arg('hw_lease', args[2])
+  local attempt = int_arg('hw_lease', 'attempt', args[4])
+  return lease_one(keys[1], worker_id, lease_ms, args[3], attempt, now_ms())
+end
+
+--[[
+hw_lease_batch  KEYS[1] = P:{pool}
+                ARGV = worker_id, lease_seconds, then execution_id, attempt pairs
+hw_lease for each pair, in one call (the SDK leases what one read returned).
+Reply: an array, one hw_lease reply per pair, in order.
+]]
+local function hw_lease_batch(keys, args)
+  local worker_id = worker_arg('hw_lease_batch', args[1])
+  local lease_ms = lease_ms_arg('hw_lease_batch', args[2])
+  if #args % 2 ~= 0 then
+    bad_arg('hw_lease_batch', 'takes execution_id, attempt pairs')
+  end
+  local now = now_ms()
+  local replies = {}
+  for i = 3, #args, 2 do
+    local attempt = int_arg('hw_lease_batch', 'attempt', args[i + 1])
+    replies[#replies + 1] = lease_one(keys[1], worker_id, lease_ms, args[i], attempt, now)
+  end
+  return replies
 end
 
 --[[
@@ -292,15 +315,10 @@ result as given. The hash stays for TERMINAL_TTL_MS (1 h) so a duplicate
 complete meets it, then expires.
 Reply: OK | LEASE_LOST (status; same checks as hw_heartbeat).
 ]]
-local function hw_complete(keys, args)
-  local base = keys[1]
-  local execution_id = args[1]
-  local attempt = int_arg('hw_complete', 'attempt', args[2])
-  local worker_id = worker_arg('hw_complete', args[3])
-  local result_json = args[4] or 'null'
+-- One completion (hw_complete, hw_complete_batch): OK or LEASE_LOST.
+local function complete_one(base, execution_id, attempt, worker_id, result_json, now)
   local hot = base .. ':x:' .. execution_id
   local h = load_hot(hot)
-  local now = now_ms()
   if not holds(h, attempt, worker_id, now) then
     return LEASE_LOST
   end
@@ -309,6 +327,32 @@ local function hw_complete(keys, args)
   redis.call('ZREM', base .. ':leases', execution_id)
   emit(base, 'completed', execution_id, h, worker_id, now, {'result', result_json})
   return OK
+end
+
+local function hw_complete(keys, args)
+  local attempt = int_arg('hw_complete', 'attempt', args[2])
+  local worker_id = worker_arg('hw_complete', args[3])
+  return complete_one(keys[1], args[1], attempt, worker_id, args[4] or 'null', now_ms())
+end
+
+--[[
+hw_complete_batch  KEYS[1] = P:{pool}
+                   ARGV = worker_id, then execution_id, attempt, result_json triples
+hw_complete for each triple, in one call (the SDK sends what finished meanwhile).
+Reply: an array, one hw_complete reply per triple, in order.
+]]
+local function hw_complete_batch(keys, args)
+  local worker_id = worker_arg('hw_complete_batch', args[1])
+  if #args % 3 ~= 1 then
+    bad_arg('hw_complete_batch', 'takes execution_id, attempt, result_json triples')
+  end
+  local now = now_ms()
+  local replies = {}
+  for i = 2, #args, 3 do
+    local attempt = int_arg('hw_complete_batch', 'attempt', args[i + 1])
+    replies[#replies + 1] = complete_one(keys[1], args[i], attempt, worker_id, args[i + 2], now)
+  end
+  return replies
 end
 
 --[[
@@ -415,6 +459,8 @@ redis.register_function{function_name = 'hw_version', callback = hw_version,
 redis.register_function{function_name = 'hw_lease', callback = hw_lease}
 redis.register_function{function_name = 'hw_heartbeat', callback = hw_heartbeat}
 redis.register_function{function_name = 'hw_complete', callback = hw_complete}
+redis.register_function{function_name = 'hw_lease_batch', callback = hw_lease_batch}
+redis.register_function{function_name = 'hw_complete_batch', callback = hw_complete_batch}
 redis.register_function{function_name = 'hw_fail', callback = hw_fail}
 redis.register_function{function_name = 'hw_expire', callback = hw_expire}
 redis.register_function{function_name = 'hw_cancel', callback = hw_cancel}

@@ -113,6 +113,33 @@ async def test_unknown_or_other_attempts_are_lost(proto, publish) -> None:
     assert isinstance(leased, int) and stale is None
 
 
+async def test_the_batch_forms_answer_each_item_as_the_single_calls_would(
+        proto, publish, redis_client, key_prefix) -> None:
+    base = keys.pool_base(key_prefix, POOL)
+    first, second, taken = await publish(), await publish(), await publish()
+    assert await proto.lease(POOL, "worker-b", 30, taken.execution_id, 1) is not None
+    replies = await redis_client.fcall(
+        "hw_lease_batch", 1, base, "worker-a", "30", first.execution_id, 1,
+        second.execution_id, 2, taken.execution_id, 1, second.execution_id, 1)
+    assert [r if isinstance(r, bytes) else "until" for r in replies] == \
+        ["until", b"LEASE_LOST", b"LEASE_LOST", "until"]  # stale attempt, held by another
+    done = await redis_client.fcall(
+        "hw_complete_batch", 1, base, "worker-a", first.execution_id, 1, '{"n": 1}',
+        taken.execution_id, 1, "null", second.execution_id, 1, '{"n": 2}')
+    assert done == [b"OK", b"LEASE_LOST", b"OK"]
+    assert (await hot_state(redis_client, key_prefix, taken.execution_id))["state"] == "leased"
+    told = [(e.type, e.execution_id, e.worker_id, e.result) for e in await events(proto)]
+    assert told == [("leased", taken.execution_id, "worker-b", None),
+                    ("leased", first.execution_id, "worker-a", None),
+                    ("leased", second.execution_id, "worker-a", None),
+                    ("completed", first.execution_id, "worker-a", '{"n": 1}'),
+                    ("completed", second.execution_id, "worker-a", '{"n": 2}')]
+    with pytest.raises(aioredis.ResponseError, match="pairs"):
+        await redis_client.fcall("hw_lease_batch", 1, base, "w", "30", first.execution_id)
+    with pytest.raises(aioredis.ResponseError, match="triples"):
+        await redis_client.fcall("hw_complete_batch", 1, base, "w", first.execution_id, 1)
+
+
 async def test_heartbeat_extends_only_a_live_lease_of_its_holder(proto, publish, redis_client,
                                                                  key_prefix) -> None:
     execution = await publish()
