@@ -42,7 +42,9 @@ _schedule_decoder = msgspec.json.Decoder(Schedule)
 def plan(claimed: list[Claimed], now: datetime) -> Plan:
     """What to write for claimed due rows. Pure: the transaction calls it between its statements.
 
-    - a retry row re-queues its execution at the row's attempt;
+    - a retry row re-queues its execution at the row's attempt (finish_dispatch
+      parks it instead while its job is paused, and drops it if the execution
+      left retry_wait, e.g. its job was canceled);
     - a one-off runs once at its due time;
     - a cron occurrence follows its misfire policy when it is late (skip: the
       latest missed runs, the rest are recorded as skipped; catch_up: each,
@@ -54,10 +56,11 @@ def plan(claimed: list[Claimed], now: datetime) -> Plan:
     out = Plan(executions=[], next_due=[], job_next=[], retries=[])
     for row in claimed:
         if row.execution_id is not None:
-            # A retry, replay or trigger of an execution: held back only by a pause or cancel
-            # (a one-off whose execution went dead is completed, and may be replayed).
-            if row.state not in ("paused", "canceled"):
-                out.retries.append(Retry(row.execution_id, row.scheduled_for, row.attempt))
+            # A retry, replay or trigger of an execution. Whether a pause holds it back is
+            # decided in SQL, on the job's state as of finish_dispatch: row.state may predate
+            # a pause that committed while claim_due waited for this row.
+            out.retries.append(Retry(row.execution_id, row.scheduled_for, row.attempt,
+                                     row.shard_id, row.next_run_at, row.job_id))
             continue
         if row.state != "active":
             continue

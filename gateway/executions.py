@@ -57,6 +57,9 @@ async def retry_execution(request: web.Request) -> web.Response:
 
 
 async def trigger_job(request: web.Request) -> web.Response:
+    """An execution outside the schedule, which does not move. A paused job may be
+    triggered: it runs once and the job stays paused (a retry of that execution waits
+    for the resume). A canceled or completed job is 409."""
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
     job = await job_store.get_job(ctx.db, owner.tenant_id, job_id_of(request))

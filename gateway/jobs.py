@@ -170,6 +170,8 @@ def _pause(job: Job, schedule: Schedule) -> Transition | None:
         return None
     if job.state != "active":
         raise Conflict(f"a {job.state} job cannot be paused")
+    # Pending retries keep their due rows: when one falls due, dispatch parks it
+    # (finish_dispatch) and the execution waits in retry_wait for the resume.
     return Transition(state="paused", next_run_at=job.next_run_at, clear_due="occurrences")
 
 
@@ -181,7 +183,7 @@ def _resumer(now):
             raise Conflict(f"a {job.state} job cannot be resumed")
         when = resume_time(schedule, job, now)
         return Transition(state="active", next_run_at=when,
-                          add_due=(shard_of(job.job_id), when))
+                          add_due=(shard_of(job.job_id), when), unpark_retries=True)
     return decide
 
 
@@ -204,11 +206,13 @@ def _cancel(job: Job, schedule: Schedule) -> Transition | None:
 async def _transition(request: web.Request, decide) -> Job:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    job, canceled = await store.transition_job(ctx.db, owner.tenant_id, job_id_of(request),
-                                               ctx.clock.now(), decide)
-    if canceled:
-        await ctx.cancel_running(pool_of(job), canceled)
-    return job
+    done = await store.transition_job(ctx.db, owner.tenant_id, job_id_of(request),
+                                      ctx.clock.now(), decide)
+    if done.canceled:
+        await ctx.cancel_running(pool_of(done.job), done.canceled)
+    if done.due:
+        await ctx.notify_due(done.due)
+    return done.job
 
 
 def pool_of(job: Job) -> str:
@@ -216,14 +220,21 @@ def pool_of(job: Job) -> str:
 
 
 async def pause_job(request: web.Request) -> web.Response:
+    """No new attempt starts while the job is paused: neither its occurrences nor the
+    retries of its executions (those stay in retry_wait). A running attempt finishes.
+    Pausing a paused job changes nothing; a canceled or completed job is 409."""
     return json_response(200, await _transition(request, _pause))
 
 
 async def resume_job(request: web.Request) -> web.Response:
+    """The next occurrence follows the misfire policy if its time passed while paused;
+    a retry held back by the pause runs at its retry time, or at once if that passed."""
     ctx = Ctx.of(request)
     return json_response(200, await _transition(request, _resumer(ctx.clock.now())))
 
 
 async def cancel_job(request: web.Request) -> web.Response:
+    """Nothing of the job runs again: its queued, running and retry_wait executions are
+    canceled (a running attempt's worker gets LEASE_LOST)."""
     await _transition(request, _cancel)
     return web.Response(status=204)

@@ -1,6 +1,7 @@
 """What the gateway tells the hot tier after a commit.
 
-After a submit: the shard owners, about jobs due before their next load.
+After a submit, trigger, replay or resume: the shard owners, about jobs due
+before their next load.
 After a cancel: the workers holding its executions (LEASE_LOST on their next call).
 Both are best effort; Postgres already holds the truth.
 """

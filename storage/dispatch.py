@@ -57,9 +57,14 @@ class NextDue(msgspec.Struct, frozen=True):
 
 
 class Retry(msgspec.Struct, frozen=True):
+    """A claimed row of an existing execution, with its due key (to park it again if need be)."""
+
     execution_id: uuid.UUID
     scheduled_for: datetime
     attempt: int
+    shard_id: int
+    next_run_at: datetime
+    job_id: uuid.UUID
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -158,4 +163,5 @@ def _finish_args(plan: Plan) -> tuple[list, ...]:
         [n.next_run_at for n in nd], [n.job_id for n in nd],
         [j for j, _ in jn], [t for _, t in jn],
         [r.execution_id for r in rt], [r.scheduled_for for r in rt], [r.attempt for r in rt],
+        [r.shard_id for r in rt], [r.next_run_at for r in rt], [r.job_id for r in rt],
     )

@@ -123,8 +123,13 @@ async def replay(db: Database, tenant_id: uuid.UUID, execution_id: uuid.UUID,
 
 async def trigger(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, job_state: str,
                   now: datetime) -> uuid.UUID:
-    """Run once now, outside the schedule: an execution that the due index queues at once."""
-    if job_state != "active":
+    """Run once now, outside the schedule: an execution that the due index queues at once.
+
+    A paused job may be triggered too (as a suspended Kubernetes CronJob or a
+    paused Temporal schedule can): its first attempt runs now and the job stays
+    paused; dispatch parks a retry of it until the resume, as any other.
+    """
+    if job_state not in ("active", "paused"):
         raise Conflict(f"a {job_state} job cannot be triggered")
     execution_id = uuid7(now)
     async with db.transaction() as conn:

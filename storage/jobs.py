@@ -195,24 +195,31 @@ class Transition(msgspec.Struct, frozen=True, kw_only=True):
     next_run_at: datetime | None
     clear_due: str | None = None  # "occurrences" | "all" | None
     add_due: tuple[int, datetime] | None = None  # (shard_id, next_run_at)
+    unpark_retries: bool = False  # resume: retries dispatch parked while paused are due again
     cancel_executions: bool = False
 
 
+class Transitioned(msgspec.Struct, frozen=True, kw_only=True):
+    """A transition's outcome, and what the caller tells others after the commit."""
+
+    job: Job  # as it now is
+    canceled: list[uuid.UUID] = []  # executions canceled: their workers must be told
+    due: list[tuple[int, uuid.UUID, datetime]] = []  # (shard_id, job_id, due) for the notify
+
+
 async def transition_job(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, now: datetime,
-                         decide) -> tuple[Job, list[uuid.UUID]]:
+                         decide) -> Transitioned:
     """Lock the job, let `decide(job, schedule) -> Transition | None` choose, apply it atomically.
 
     decide returns None for a no-op (e.g. pausing a paused job) and raises
-    Conflict for a transition the state forbids. Returns the job as it now is
-    and the executions the transition canceled (their workers must be told).
-    Lock order is due rows, then the job row: the dispatcher's order, so the
-    two cannot deadlock.
+    Conflict for a transition the state forbids. Lock order is due rows, then
+    the job row: the dispatcher's order, so the two cannot deadlock.
     """
     return await retrying(lambda: _transition_once(db, tenant_id, job_id, now, decide))
 
 
 async def _transition_once(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, now: datetime,
-                           decide) -> tuple[Job, list[uuid.UUID]]:
+                           decide) -> Transitioned:
     async with db.transaction() as conn:
         await conn.execute(q("lock_due_rows"), job_id)
         row = await conn.fetchrow(q("lock_job"), tenant_id, job_id)
@@ -221,8 +228,9 @@ async def _transition_once(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID
         job = job_from_row(row)
         change = decide(job, _schedule_decoder.decode(row["schedule"]))
         if change is None:
-            return job, []
+            return Transitioned(job=job)
         canceled: list[uuid.UUID] = []
+        due: list[tuple[int, uuid.UUID, datetime]] = []
         if change.cancel_executions:
             canceled = [r["execution_id"] for r in
                         await conn.fetch(q("cancel_job_executions"), job_id, now)]
@@ -230,10 +238,14 @@ async def _transition_once(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID
             await conn.execute(q("delete_due_occurrences"), job_id)
         elif change.clear_due == "all":
             await conn.execute(q("delete_due_all"), job_id)
+        if change.unpark_retries:
+            due += [(r["shard_id"], job_id, r["next_run_at"])
+                    for r in await conn.fetch(q("unpark_due_retries"), job_id)]
         if change.add_due is not None:
             shard_id, when = change.add_due
             await conn.execute(q("insert_due"), shard_id, due_minute(when), when, job_id)
+            due.append((shard_id, job_id, when))
         updated = await conn.fetchrow(q("set_job_state"), tenant_id, job_id, change.state,
                                       change.next_run_at, now)
-        return job_from_row(updated), canceled
+        return Transitioned(job=job_from_row(updated), canceled=canceled, due=due)
 

@@ -44,6 +44,14 @@ LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id) ON true;
 -- recorded, not lost), inserts each cron job's next due row, moves
 -- jobs.next_run_at, and re-queues retries of existing executions. Returns
 -- what to publish: the queued executions this call created or re-queued.
+-- A retry (attempt > 1) of a paused job is not re-queued: its row goes back
+-- into the due index parked (due_minute 'infinity', beyond every load's
+-- range) for resume to restore (unpark_due_retries); the execution stays in
+-- retry_wait. A trigger's first attempt runs whatever the pause. An execution
+-- of a canceled job (one a replay or trigger racing the cancel left waiting)
+-- is canceled, never run. The job's state is read here, not in claim_due:
+-- claim_due's snapshot predates a pause or cancel it waited for on the due
+-- row's lock; this statement's does not.
 WITH new_exec AS (
     INSERT INTO executions (execution_id, job_id, tenant_id, scheduled_for, attempt, state,
                             queued_at, finished_at)
@@ -61,13 +69,34 @@ WITH new_exec AS (
     UPDATE jobs j SET next_run_at = n.next_run_at, updated_at = coalesce($1, now())
     FROM unnest($11::uuid[], $12::timestamptz[]) AS n(job_id, next_run_at)
     WHERE j.job_id = n.job_id AND j.state = 'active'
+), retry AS (
+    -- each claimed row of an execution still waiting for this attempt, and its fate
+    SELECT r.*, CASE WHEN j.state = 'canceled' THEN 'cancel'
+                     WHEN j.state = 'paused' AND r.attempt > 1 THEN 'park'
+                     ELSE 'run' END AS fate
+    FROM unnest($13::uuid[], $14::timestamptz[], $15::integer[], $16::smallint[],
+                $17::timestamptz[], $18::uuid[])
+         AS r(execution_id, scheduled_for, attempt, shard_id, next_run_at, job_id)
+    JOIN jobs j ON j.job_id = r.job_id
+    JOIN executions e ON e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
+    WHERE e.state = 'retry_wait' AND e.attempt = r.attempt - 1
 ), retried AS (
     UPDATE executions e SET state = 'queued', attempt = r.attempt, queued_at = coalesce($1, now())
-    FROM unnest($13::uuid[], $14::timestamptz[], $15::integer[])
-         AS r(execution_id, scheduled_for, attempt)
+    FROM retry r
     WHERE e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
-      AND e.state = 'retry_wait' AND e.attempt = r.attempt - 1
-    RETURNING e.execution_id, e.job_id, e.scheduled_for, e.attempt, e.state
+      AND e.state = 'retry_wait' AND e.attempt = r.attempt - 1 AND r.fate = 'run'
+    RETURNING e.execution_id, e.job_id, e.scheduled_for, e.attempt
+), dropped AS (
+    UPDATE executions e SET state = 'canceled', finished_at = coalesce($1, now())
+    FROM retry r
+    WHERE e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
+      AND e.state = 'retry_wait' AND e.attempt = r.attempt - 1 AND r.fate = 'cancel'
+), parked AS (
+    INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id,
+                           scheduled_for, attempt)
+    SELECT shard_id, 'infinity', next_run_at, job_id, execution_id, scheduled_for, attempt
+    FROM retry WHERE fate = 'park'
+    ON CONFLICT DO NOTHING
 )
 SELECT execution_id, job_id, scheduled_for, attempt FROM new_exec WHERE state = 'queued'
 UNION ALL

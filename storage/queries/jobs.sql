@@ -95,12 +95,22 @@ RETURNING job_id, name, target_type, target_ref, payload::text AS payload, sched
           max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at, version;
 
 -- name: delete_due_occurrences
--- Takes a job's pending occurrences out of the due index (pause).
+-- Takes a job's pending occurrences out of the due index (pause). Its retries
+-- stay: dispatch parks them when they fall due (finish_dispatch).
 DELETE FROM due_index WHERE job_id = $1 AND execution_id IS NULL;
 
 -- name: delete_due_all
--- Takes every due row of a job, retries included, out of the due index (cancel).
+-- Takes every due row of a job, retries included, parked or not, out of the
+-- due index (cancel).
 DELETE FROM due_index WHERE job_id = $1;
+
+-- name: unpark_due_retries
+-- Resume: the retries that dispatch parked while the job was paused go back
+-- to their due minute (UTC, as storage.jobs.due_minute), so they run at their
+-- retry time, or at the next load if it passed. Returns them for the notify.
+UPDATE due_index SET due_minute = date_trunc('minute', next_run_at, 'UTC')
+WHERE job_id = $1 AND due_minute = 'infinity'
+RETURNING shard_id, next_run_at;
 
 -- name: insert_due
 INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)

@@ -267,6 +267,67 @@ async def test_pause_while_running_lets_the_attempt_finish(api, schedulers, prot
     assert len(await ready(redis_client, key_prefix)) == 1  # nothing new while paused
 
 
+async def fail_once(node, protocol, eid: str, attempt: int = 1) -> None:
+    """A worker takes the attempt and fails it, retryably: the execution waits for a retry."""
+    assert await protocol.lease(POOL, "w", 30, eid, attempt) is not None
+    assert isinstance(await protocol.fail(POOL, eid, attempt, "w", '{"message": "boom"}', True),
+                      int)
+    await node.settle_events()
+
+
+async def job_state(api: Api, job_id: str) -> str:
+    return (await (await api.client.get(f"/v1/jobs/{job_id}", headers=api.auth())).json())["state"]
+
+
+async def test_pause_holds_a_pending_retry_until_resume(api, schedulers, protocol, redis_client,
+                                                        key_prefix, clock) -> None:
+    job = await submit(api, schedule={"delaySeconds": 1},
+                       retry={"maxAttempts": 3, "backoffSeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    await fail_once(node, protocol, eid)
+    assert (await execution(api, eid))["state"] == "retry_wait"
+
+    # Paused while its retry waits: the retry's time comes and goes, and nothing starts.
+    paused = await api.client.post(f"/v1/jobs/{job['jobId']}:pause", headers=api.auth())
+    assert paused.status == 200
+    await due_and_published(node, clock, 10)
+    assert len(await ready(redis_client, key_prefix)) == 1
+    assert (await execution(api, eid))["state"] == "retry_wait"
+
+    # Resumed: the retry is overdue, so it runs at once, as the next attempt.
+    resumed = await api.client.post(f"/v1/jobs/{job['jobId']}:resume", headers=api.auth())
+    assert resumed.status == 200
+    await due_and_published(node, clock, 1)
+    retry = await latest(redis_client, key_prefix)
+    assert (retry["execution_id"], retry["attempt"]) == (eid, "2")
+    assert (await execution(api, eid))["state"] == "queued"
+
+
+@pytest.mark.parametrize("paused_first", [False, True], ids=["active", "paused"])
+async def test_cancel_while_a_retry_waits_cancels_the_execution(
+        api, schedulers, protocol, redis_client, key_prefix, clock, db, paused_first) -> None:
+    job = await submit(api, schedule={"delaySeconds": 1},
+                       retry={"maxAttempts": 3, "backoffSeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    await fail_once(node, protocol, eid)
+    if paused_first:
+        # The retry falls due while the job is paused, and is held back.
+        await api.client.post(f"/v1/jobs/{job['jobId']}:pause", headers=api.auth())
+        await due_and_published(node, clock, 10)
+
+    assert (await api.client.delete(f"/v1/jobs/{job['jobId']}", headers=api.auth())).status == 204
+    assert (await execution(api, eid))["state"] == "canceled"
+    await due_and_published(node, clock, 10)
+    assert len(await ready(redis_client, key_prefix)) == 1  # the retry never ran
+    assert (await execution(api, eid))["state"] == "canceled"
+    async with db.connection() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM due_index") == 0
+
+
 async def test_overlap_forbid_waits_for_the_running_occurrence(api, schedulers, protocol,
                                                                redis_client, key_prefix,
                                                                clock, db) -> None:
@@ -314,6 +375,39 @@ async def test_trigger_runs_once_now_outside_the_schedule(api, schedulers, redis
     assert (entry["execution_id"], entry["attempt"]) == (eid, "1")
     got = await (await api.client.get(f"/v1/jobs/{job['jobId']}", headers=api.auth())).json()
     assert got["nextRunAt"] == job["nextRunAt"]  # the schedule did not move
+
+
+async def test_trigger_runs_a_paused_job_once_and_it_stays_paused(
+        api, schedulers, protocol, redis_client, key_prefix, clock) -> None:
+    job = await submit(api, schedule={"cron": "* * * * *"},
+                       retry={"maxAttempts": 3, "backoffSeconds": 1})
+    node = await schedulers()
+    await api.client.post(f"/v1/jobs/{job['jobId']}:pause", headers=api.auth())
+
+    # Triggered while paused: it runs once, now; the schedule stays paused.
+    resp = await api.client.post(f"/v1/jobs/{job['jobId']}:trigger", headers=api.auth())
+    assert resp.status == 202
+    eid = (await resp.json())["executionId"]
+    await due_and_published(node, clock, 1)
+    [entry] = await ready(redis_client, key_prefix)
+    assert (entry["execution_id"], entry["attempt"]) == (eid, "1")
+    assert await job_state(api, job["jobId"]) == "paused"
+
+    # It fails: its retry, like any, waits for the resume; no occurrence starts either.
+    await fail_once(node, protocol, eid)
+    await due_and_published(node, clock, 120)
+    assert len(await ready(redis_client, key_prefix)) == 1
+    assert (await execution(api, eid))["state"] == "retry_wait"
+
+    await api.client.post(f"/v1/jobs/{job['jobId']}:resume", headers=api.auth())
+    await due_and_published(node, clock, 1)
+    entries = await ready(redis_client, key_prefix)
+    assert (eid, "2") in [(e["execution_id"], e["attempt"]) for e in entries]
+
+    # A canceled job is not triggered.
+    await api.client.delete(f"/v1/jobs/{job['jobId']}", headers=api.auth())
+    again = await api.client.post(f"/v1/jobs/{job['jobId']}:trigger", headers=api.auth())
+    assert again.status == 409
 
 
 async def test_history_is_newest_first_and_keyset_paginated(api, schedulers, redis_client,
