@@ -46,16 +46,33 @@ def _at(ms: int | None) -> datetime | None:
     return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
 
 
-def _scheduled_for(event: Event) -> datetime:
-    return datetime.fromisoformat(event.scheduled_for.replace("Z", "+00:00"))
-
-
 def _execution_state(event: Event) -> str | None:
     if event.type in _STATE_OF:
         return _STATE_OF[event.type]
     if event.type in ("failed", "expired"):
         return "dead" if event.outcome == "dead" else "retry_wait"
     return None  # canceled: the API already wrote it
+
+
+class _Parsed:
+    """Per-batch caches: a herd's events share a few scheduled_for values, and each
+    execution has two or more events; parse each text once."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, uuid.UUID] = {}
+        self.times: dict[str, datetime] = {}
+
+    def id(self, text: str) -> uuid.UUID:
+        value = self.ids.get(text)
+        if value is None:
+            value = self.ids[text] = uuid.UUID(text)
+        return value
+
+    def time(self, text: str) -> datetime:
+        value = self.times.get(text)
+        if value is None:
+            value = self.times[text] = datetime.fromisoformat(text)
+        return value
 
 
 def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRow]]:
@@ -65,52 +82,55 @@ def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRo
     (leased, then completed) belong in one final state. Of several attempts
     of one execution, the latest wins the execution row.
     """
-    updates: dict[uuid.UUID, ExecutionUpdate] = {}
-    attempts: dict[tuple[uuid.UUID, int], AttemptRow] = {}
+    parsed = _Parsed()
+    updates: dict[str, ExecutionUpdate] = {}
+    attempts: dict[tuple[str, int], AttemptRow] = {}
     for event in events:
-        execution_id = uuid.UUID(event.execution_id)
-        _fold_attempt(attempts, execution_id, event)
+        at = _at(event.at_ms)
+        _fold_attempt(attempts, parsed, event, at)
         state = _execution_state(event)
         if state is None:
             continue
-        current = updates.get(execution_id)
+        current = updates.get(event.execution_id)
         if current is not None and current.attempt > event.attempt:
             continue
         if current is None or current.attempt < event.attempt:
-            current = updates[execution_id] = ExecutionUpdate(
-                execution_id=execution_id, scheduled_for=_scheduled_for(event),
-                attempt=event.attempt, state=state, job_id=uuid.UUID(event.job_id))
-        _fold_update(current, event, state)
+            current = updates[event.execution_id] = ExecutionUpdate(
+                execution_id=parsed.id(event.execution_id),
+                scheduled_for=parsed.time(event.scheduled_for), attempt=event.attempt,
+                state=state, job_id=parsed.id(event.job_id))
+        _fold_update(current, event, state, at)
     return list(updates.values()), list(attempts.values())
 
 
-def _fold_update(update: ExecutionUpdate, event: Event, state: str) -> None:
+def _fold_update(update: ExecutionUpdate, event: Event, state: str, at: datetime) -> None:
     update.state = state
     if event.type == "leased":
         update.lease_owner = event.worker_id
         update.lease_until = _at(event.lease_until_ms)
-        update.started_at = update.started_at or _at(event.at_ms)
+        update.started_at = update.started_at or at
     elif event.type == "completed":
         update.result = event.result
-        update.finished_at = _at(event.at_ms)
+        update.finished_at = at
     else:
         update.error = event.error
-        update.finished_at = _at(event.at_ms)
+        update.finished_at = at
         update.retry_at = _at(event.retry_at_ms)
 
 
-def _fold_attempt(rows: dict, execution_id: uuid.UUID, event: Event) -> None:
-    key = (execution_id, event.attempt)
+def _fold_attempt(rows: dict, parsed: _Parsed, event: Event, at: datetime) -> None:
+    key = (event.execution_id, event.attempt)
     row = rows.get(key)
     if row is None:
-        row = rows[key] = AttemptRow(execution_id=execution_id, attempt=event.attempt,
-                                     scheduled_for=_scheduled_for(event))
+        row = rows[key] = AttemptRow(execution_id=parsed.id(event.execution_id),
+                                     attempt=event.attempt,
+                                     scheduled_for=parsed.time(event.scheduled_for))
     row.worker_id = row.worker_id or event.worker_id or None
     row.outcome = _OUTCOME_OF.get(event.type, row.outcome)
     if event.type == "leased":
-        row.started_at = row.started_at or _at(event.at_ms)
+        row.started_at = row.started_at or at
     else:
-        row.finished_at = _at(event.at_ms)
+        row.finished_at = at
         row.error = event.error or row.error
 
 
