@@ -139,7 +139,11 @@ class DispatchActor(Actor):
         dues = [m for m in batch if isinstance(m, Due)]
         while dues:
             taken, dues = _take(dues, MAX_BATCH_KEYS)
-            await self.run_once(taken)
+            try:
+                await self.run_once(taken)
+            finally:  # committed or not: the shards may load their rows again
+                for due in taken:
+                    due.settled.set()
 
     async def run_once(self, dues: list[Due]) -> store.Dispatched:
         revisions: dict[int, int] = {}

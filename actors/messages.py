@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 
 from storage.dispatch import DueKey
@@ -16,11 +18,16 @@ class NotifyDue(msgspec.Struct, frozen=True):
 
 
 class Due(msgspec.Struct, frozen=True):
-    """Due rows popped from one shard's heap (shard actor -> dispatcher)."""
+    """Due rows popped from one shard's heap (shard actor -> dispatcher).
+
+    `settled` is set by the dispatcher once the batch's transaction ended
+    (committed or not); the shard defers its reloads until then.
+    """
 
     shard_id: int
     revision: int
     keys: list[DueKey]
+    settled: asyncio.Event = msgspec.field(default_factory=asyncio.Event)
 
 
 class Publish(msgspec.Struct, frozen=True):

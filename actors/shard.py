@@ -32,6 +32,11 @@ log = logging.getLogger("herdwick.shard")
 
 LOAD_INTERVAL_S = 2.0
 LOOKAHEAD_S = 60.0
+# A load while popped rows still wait for their dispatch transaction re-reads
+# them for nothing (a herd's backlog: a sixth of the scheduler's time). Loads
+# wait for the shard's batches to settle, checking this often, at most MAX_DEFER_S.
+DEFER_POLL_S = 0.25
+MAX_DEFER_S = 4.0
 MAX_POP = 5_000  # entries per Due message: bounds one dispatch transaction
 RECENT_TTL_S = 3 * LOAD_INTERVAL_S
 _JOB_BITS = 128
@@ -72,6 +77,9 @@ class ShardActor(Actor):
         self._retries: dict[int, DueRow] = {}  # heap entry -> its retry row
         self._recent: dict[int, float] = {}  # popped entries -> monotonic pop time
         self._next_load_us = 0
+        self._load_due_since_us: int | None = None  # a load is due but deferred since then
+        # Due batches sent and not yet settled; set by the dispatcher, pruned here.
+        self._unsettled: list[Due] = []
         self.notified = asyncio.Event()  # test signal: a notify was handled
 
     def idle_timeout(self) -> float | None:
@@ -93,9 +101,22 @@ class ShardActor(Actor):
                 self.notified.set()
             case Tick() | None:
                 pass
-        if to_us(now) >= self._next_load_us:
-            await self.load(now)
+        now_us = to_us(now)
+        if now_us >= self._next_load_us:
+            if self._defer_load(now_us):
+                self._next_load_us = now_us + int(DEFER_POLL_S * 1e6)
+            else:
+                await self.load(now)
         await self.dispatch_due(now)
+
+    def _defer_load(self, now_us: int) -> bool:
+        self._unsettled = [d for d in self._unsettled if not d.settled.is_set()]
+        if not self._unsettled:
+            self._load_due_since_us = None
+            return False
+        if self._load_due_since_us is None:
+            self._load_due_since_us = now_us
+        return now_us - self._load_due_since_us < MAX_DEFER_S * 1e6
 
     async def load(self, now: datetime) -> int:
         """One range scan into the heap; returns how many entries it added."""
@@ -111,6 +132,7 @@ class ShardActor(Actor):
                 if row.execution_id is not None:
                     self._retries[item] = row
         self._next_load_us = to_us(now) + int(LOAD_INTERVAL_S * 1e6)
+        self._load_due_since_us = None
         return added
 
     def _push(self, item: int) -> bool:
@@ -135,7 +157,9 @@ class ShardActor(Actor):
 
     async def dispatch_due(self, now: datetime) -> None:
         while keys := self.pop_due(now):
-            await self._dispatcher.send(Due(self.shard_id, self.revision, keys))
+            due = Due(self.shard_id, self.revision, keys)
+            self._unsettled.append(due)
+            await self._dispatcher.send(due)
 
     def _forget_old_recent(self) -> None:
         cutoff = time.monotonic() - RECENT_TTL_S

@@ -203,3 +203,54 @@ async def test_maintenance_creates_partitions_ahead_and_drops_expired_keys(
             name = f"executions_{(day + timedelta(days=offset)):%Y%m%d}"
             assert await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", name), name
         assert await conn.fetchval("SELECT count(*) FROM idempotency_keys") == 0
+
+
+class _HeldDispatcher:
+    """Takes Due batches and keeps them unsettled, like a dispatcher with a backlog."""
+
+    def __init__(self) -> None:
+        self.dues: list = []
+
+    async def send(self, due) -> None:
+        self.dues.append(due)
+
+
+async def test_a_shard_defers_its_loads_while_its_batches_wait_for_dispatch(clock, db) -> None:
+    from actors.base import Tick
+    from actors.shard import DEFER_POLL_S, LOAD_INTERVAL_S, MAX_DEFER_S, ShardActor
+
+    async def due_row(seconds: float) -> None:
+        when = clock.now() + timedelta(seconds=seconds)
+        async with db.connection() as conn:
+            await conn.execute(
+                "INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id) "
+                "VALUES (7, date_trunc('minute', $1::timestamptz), $1, gen_random_uuid())", when)
+
+    dispatcher = _HeldDispatcher()
+    shard = ShardActor(7, 1, db=db, dispatcher=dispatcher, clock=clock)
+    await due_row(1)
+    await shard.load(clock.now())
+    clock.advance(1)
+    await shard.handle(Tick())
+    [held] = dispatcher.dues
+    assert len(shard.heap) == 0
+
+    await due_row(60)  # lands while the batch waits: the next load is deferred
+    clock.advance(LOAD_INTERVAL_S)
+    await shard.handle(Tick())
+    assert len(shard.heap) == 0
+    held.settled.set()  # the batch committed: the shard loads at its next poll
+    clock.advance(DEFER_POLL_S)
+    await shard.handle(Tick())
+    assert len(shard.heap) == 1
+
+    clock.advance(60)
+    await shard.handle(Tick())  # pops that row; this batch never settles
+    assert len(dispatcher.dues) == 2 and len(shard.heap) == 0
+    await due_row(60)
+    clock.advance(LOAD_INTERVAL_S)
+    await shard.handle(Tick())
+    assert len(shard.heap) == 0
+    clock.advance(MAX_DEFER_S)  # a batch that never settles defers loads only so long
+    await shard.handle(Tick())
+    assert len(shard.heap) == 1
