@@ -102,29 +102,43 @@ class Scheduler:
         await self._core.start("maintenance", lambda: self.maintenance)
         await self._start_execution_tier(client)
         if self._tick:
-            for interval_s, actor in ((RENEW_INTERVAL_S, self.coordinator),
-                                      (MAINTENANCE_INTERVAL_S, self.maintenance),
-                                      (REAPER_INTERVAL_S, self.reaper),
-                                      (SWEEPER_INTERVAL_S, self.sweeper),
-                                      (POOLS_REFRESH_S, self.events)):
+            # By name, looked up at each tick: a crashed execution-tier actor is replaced.
+            for interval_s, name in ((RENEW_INTERVAL_S, "coordinator"),
+                                     (MAINTENANCE_INTERVAL_S, "maintenance"),
+                                     (REAPER_INTERVAL_S, "reaper"),
+                                     (SWEEPER_INTERVAL_S, "sweeper"),
+                                     (POOLS_REFRESH_S, "events")):
                 self._tasks.append(asyncio.create_task(
-                    every(interval_s, lambda a=actor: a.send(Tick()))))
+                    every(interval_s, lambda n=name: getattr(self, n).send(Tick()))))
         self._tasks.append(asyncio.create_task(self._listen_notify(client)))
         log.info("event=scheduler_started node=%s shards=%d", self.node_id,
                  len(self.coordinator.leases))
         return self
 
     async def _start_execution_tier(self, client: aioredis.Redis) -> None:
-        self.protocol = protocol = Protocol(client, self.settings.key_prefix)
-        self.events = ExecutionEvents(db=self.db, hot=self.hot, protocol=protocol,
+        self.protocol = Protocol(client, self.settings.key_prefix)
+        # Each factory builds a new actor and makes it the one the scheduler points at:
+        # the supervisor restarts a crashed actor by calling its factory again, and a
+        # crashed instance is spent (its run loop has stopped for good). These three
+        # talk to Redis, so a Redis restart or flush is what crashes them.
+        await self._core.start("execution-events", self._new_events)
+        await self._core.start("reaper", self._new_reaper)
+        await self._core.start("sweeper", self._new_sweeper)
+
+    def _new_events(self) -> ExecutionEvents:
+        self.events = ExecutionEvents(db=self.db, hot=self.hot, protocol=self.protocol,
                                       node_id=self.node_id, clock=self.clock,
                                       db_now=self._db_now)
-        self.reaper = Reaper(hot=self.hot, protocol=protocol, clock=self.clock)
+        return self.events
+
+    def _new_reaper(self) -> Reaper:
+        self.reaper = Reaper(hot=self.hot, protocol=self.protocol, clock=self.clock)
+        return self.reaper
+
+    def _new_sweeper(self) -> Sweeper:
         self.sweeper = Sweeper(db=self.db, hot=self.hot, clock=self.clock,
                                publish=self._publish, db_now=self._db_now)
-        await self._core.start("execution-events", lambda: self.events)
-        await self._core.start("reaper", lambda: self.reaper)
-        await self._core.start("sweeper", lambda: self.sweeper)
+        return self.sweeper
 
     def _make_shard(self, shard_id: int, revision: int) -> ShardActor:
         dispatcher = self.dispatchers[shard_id % len(self.dispatchers)]
