@@ -3,8 +3,10 @@
 That happens when a scheduler died between its commit and its publish, or
 Redis came back empty. Each such execution is republished with attempt + 1,
 which fences out any worker still holding the old attempt. A missing epoch
-key means Redis lost its data: then functions are reloaded and everything
-unfinished is swept at once, not only what is older than the grace period.
+key means Redis lost its data: then functions are reloaded, the pools of
+unfinished work get their consumer group and pool-set entry back, and
+everything unfinished is swept at once, not only what is older than the
+grace period.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ class Sweeper(Actor):
         rows = await store.unfinished(self._db, cutoff, SWEEP_BATCH)
         if not rows:
             return 0
+        if everything:
+            # Work published into the empty Redis before this pass went out under a stale
+            # group cache: no consumer group, and its pool missing from the pool set, so
+            # the event actor and the reaper would never look at it again.
+            for pool in sorted({r.pool for r in rows}):
+                await self._hot.ensure_group(pool)
         hot = await self._hot.hot_attempts([(r.pool, str(r.execution_id)) for r in rows])
         missing = [r for r, attempt in zip(rows, hot, strict=True)
                    if attempt is None or attempt < r.attempt]
