@@ -91,6 +91,9 @@ class Actor:
         raise NotImplementedError
 
     async def run(self) -> None:
+        # A supervisor may run a crashed actor again (a factory that hands back the one
+        # instance other actors hold, e.g. the dispatchers): a crash is not a Stop.
+        self.stopped = False
         await self.on_start()
         self.ready.set()
         try:

@@ -76,6 +76,18 @@ async def test_a_crashed_actor_is_restarted_fresh(caplog: pytest.LogCaptureFixtu
     assert "event=actor_crashed actor=r" in caplog.text
 
 
+async def test_an_actor_reused_by_its_factory_runs_again_after_a_crash() -> None:
+    log: list = []
+    actor = Recorder(log, crash_on="poison")
+    async with Supervisor() as sup:
+        await sup.start("r", lambda: actor)
+        await actor.send("poison")
+        await asyncio.wait_for(sup.restarted.wait(), timeout=5)
+        await actor.send("b")
+        await sync(actor)
+    assert log == ["b"]
+
+
 async def test_stop_lets_the_message_in_hand_finish() -> None:
     gate = asyncio.Event()
     log: list = []
