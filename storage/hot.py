@@ -79,13 +79,15 @@ class HotTier:
         """The ready stream's consumer group, from id 0 so nothing published before is missed."""
         if pool in self._groups:
             return
-        await self.client.sadd(keys.pools_set(self.prefix), pool)
         try:
+            await self.client.sadd(keys.pools_set(self.prefix), pool)
             await self.client.xgroup_create(keys.ready_stream(self.prefix, pool),
                                             keys.WORKERS_GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
-                raise
+                raise StorageUnavailable(f"redis: cannot create the group: {exc}") from exc
+        except RedisError as exc:
+            raise StorageUnavailable(f"redis: cannot create the group: {exc}") from exc
         self._groups.add(pool)
 
     async def publish(self, batches: dict[str, list[ReadyExecution]]) -> int:
@@ -106,7 +108,11 @@ class HotTier:
 
     async def pools(self) -> list[str]:
         """Every pool that has had work published, on any node."""
-        return sorted(p.decode() for p in await self.client.smembers(keys.pools_set(self.prefix)))
+        try:
+            members = await self.client.smembers(keys.pools_set(self.prefix))
+        except RedisError as exc:
+            raise StorageUnavailable(f"redis: {exc}") from exc
+        return sorted(p.decode() for p in members)
 
     def forget_groups(self) -> None:
         """After Redis lost its data: recreate groups (and the pool set) on next publish."""

@@ -278,7 +278,8 @@ class Protocol:
             cut = _text(mine[0]["last-delivered-id"])
             if int(mine[0]["pending"]):
                 summary = await self.client.xpending(stream, group)
-                cut = min(cut, _text(summary["min"]), key=_stream_id)
+                if summary["min"] is not None:  # else acked since XINFO: nothing pending
+                    cut = min(cut, _text(summary["min"]), key=_stream_id)
             if cut == "0-0":
                 return 0
             return await self.client.xtrim(stream, minid=cut, approximate=False)

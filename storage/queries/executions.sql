@@ -66,10 +66,23 @@ LIMIT $2;
 
 -- name: bump_attempts
 -- Sweeper: republish with attempt + 1, which fences out any worker still
--- holding the old attempt. Guarded so a concurrent event wins.
-UPDATE executions e SET attempt = e.attempt + 1, state = 'queued', queued_at = coalesce($4, now()),
-                        lease_owner = NULL, lease_until = NULL
-FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[]) AS b(execution_id, scheduled_for, attempt)
-WHERE e.execution_id = b.execution_id AND e.scheduled_for = b.scheduled_for
-  AND e.attempt = b.attempt AND e.state IN ('queued', 'running')
-RETURNING e.execution_id, e.attempt;
+-- holding the old attempt. Guarded so a concurrent event wins. The old
+-- attempt's history row, if it was leased, ends as expired: its worker can
+-- no longer report it, so it would otherwise stay running for good.
+WITH bumped AS (
+    UPDATE executions e SET attempt = e.attempt + 1, state = 'queued',
+                            queued_at = coalesce($4, now()), lease_owner = NULL, lease_until = NULL
+    FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[])
+         AS b(execution_id, scheduled_for, attempt)
+    WHERE e.execution_id = b.execution_id AND e.scheduled_for = b.scheduled_for
+      AND e.attempt = b.attempt AND e.state IN ('queued', 'running')
+    RETURNING e.execution_id, e.attempt
+), closed AS (
+    UPDATE execution_attempts a
+    SET outcome = 'expired', finished_at = coalesce($4, now()),
+        error = '{"type": "HotStateLost", "message": "Redis lost the attempt; republished as the next"}'
+    FROM bumped
+    WHERE a.execution_id = bumped.execution_id AND a.attempt = bumped.attempt - 1
+      AND a.outcome = 'running'
+)
+SELECT execution_id, attempt FROM bumped;

@@ -326,12 +326,6 @@ async def test_work_published_before_the_sweep_still_reaches_postgres(
     assert [k for k, n in Counter(ledger.started).items() if n > 1] == []
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "History keeps the attempt that the loss cut off as running for good: the sweeper's "
-    "bump (storage/queries/executions.sql bump_attempts, via storage/sweep.py) moves the "
-    "execution to attempt + 1 but leaves that attempt's execution_attempts row at outcome "
-    "'running' with no finished_at, so GET /v1/executions/{id} lists attempt 1 as running "
-    "after the execution succeeded at attempt 2."))
 async def test_the_attempt_cut_off_by_the_loss_does_not_stay_running_in_history(
         api, node, ledger, admin, private_redis, clock, db) -> None:
     ledger.finish_before = 0  # the one job's handler holds
@@ -352,4 +346,5 @@ async def test_the_attempt_cut_off_by_the_loss_does_not_stay_running_in_history(
     assert (got["state"], got["attempt"]) == ("succeeded", 2)
     assert [a["attempt"] for a in got["attempts"]] == [1, 2]
     assert got["attempts"][1]["outcome"] == "succeeded"
-    assert got["attempts"][0]["outcome"] != "running"
+    assert got["attempts"][0]["outcome"] == "expired"
+    assert got["attempts"][0]["finishedAt"] is not None

@@ -1,9 +1,9 @@
 """The execution tier's actors come back after a crash; and a crash that Redis can cause.
 
-The supervisor restarts a crashed actor by calling its factory again, so the
-scheduler's factories must build a new actor each time: a crashed one has
-stopped for good, and handing it back would leave the reaper, the sweeper
-or the event actor silently dead until the process restarts.
+The supervisor restarts a crashed actor by calling its factory again; the
+scheduler's factories build a new reaper, sweeper and event actor each time.
+Redis being unreachable is StorageUnavailable, which the actors expect,
+never a raw client error.
 """
 
 from __future__ import annotations
@@ -41,12 +41,6 @@ async def test_a_crashed_execution_tier_actor_is_replaced_by_a_new_one(
     assert not replacement.stopped
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "storage/protocol.py Protocol.trim_ready reads XINFO GROUPS, then XPENDING: when a "
-    "worker acks the last pending entry between the two, XPENDING's summary has min=None "
-    "and _stream_id(None) raises AttributeError, which the reaper does not catch (it "
-    "catches StorageUnavailable): its pass ends there and the reaper actor crashes. Seen "
-    "in tests/faults/test_redis_flushall.py under real workers."))
 async def test_trim_ready_survives_the_last_pending_entry_acked_between_its_reads(
         redis_client, key_prefix, monkeypatch) -> None:
     hot = HotTier(redis_client, key_prefix)
@@ -65,3 +59,22 @@ async def test_trim_ready_survives_the_last_pending_entry_acked_between_its_read
 
     monkeypatch.setattr(redis_client, "xpending", acked_meanwhile)
     assert isinstance(await Protocol(redis_client, key_prefix).trim_ready(POOL), int)
+
+
+async def test_an_unreachable_redis_is_storage_unavailable() -> None:
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from herdwick.errors import StorageUnavailable
+
+    client = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1,
+                            retry=Retry(NoBackoff(), 0))
+    hot = HotTier(client, "hwt:nowhere")
+    try:
+        with pytest.raises(StorageUnavailable):
+            await hot.pools()
+        with pytest.raises(StorageUnavailable):
+            await hot.ensure_group(POOL)
+    finally:
+        await client.aclose()
