@@ -33,6 +33,9 @@ log = logging.getLogger("herdwick.executions")
 
 GROUP = "scheduler"
 READ_COUNT = 2_000
+# A batch commits as this many transactions at once, an execution's events always in
+# the same one (by id): one transaction is one Postgres backend, i.e. at most one core.
+LANES = 2
 STALE_MS = 30_000  # a consumer that has not acked for this long is taken to be dead
 IDLE_POLL_S = 0.05  # after an empty pass; a busy stream is read back to back
 _schedule_decoder = msgspec.json.Decoder(Schedule)
@@ -148,9 +151,11 @@ class ExecutionEvents(Actor):
 
     One batch commits in the background (`_committing`) while the next is
     read and folded, so Postgres and this process work at once; run_once
-    starts a batch only after the one before it committed. (Tests call
-    run_once beside the actor's own loop; every write is fenced and moves
-    state only forward, so two callers' batches may commit in any order.)
+    starts a batch only after the one before it committed. A batch commits
+    in LANES transactions at once, split by execution id, so one execution's
+    events still apply in stream order. (Tests call run_once beside the
+    actor's own loop; every write is fenced and moves state only forward, so
+    two callers' batches may commit in any order.)
     """
 
     name = "execution-events"
@@ -217,10 +222,10 @@ class ExecutionEvents(Actor):
                 events = await self._read(">")
         else:
             events = await self._read(">")
-        folded = self._fold(events) if events else None
+        lanes = [(lane, self._fold(lane)) for lane in _lanes(events)]
         await self.quiesce()
-        if folded is not None:
-            self._committing.append(asyncio.create_task(self._commit(events, folded)))
+        self._committing += [asyncio.create_task(self._commit(lane, folded))
+                             for lane, folded in lanes]
         return len(events)
 
     async def _read(self, from_id: str) -> list[tuple[str, Event]]:
@@ -256,6 +261,13 @@ class ExecutionEvents(Actor):
             await self._protocol.ack_events(pool, GROUP,
                                             [e.stream_id for p, e in events if p == pool])
         self.applied += len(events)
+
+
+def _lanes(events: list[tuple[str, Event]]) -> list[list[tuple[str, Event]]]:
+    lanes: list[list[tuple[str, Event]]] = [[] for _ in range(LANES)]
+    for item in events:
+        lanes[hash(item[1].execution_id) % LANES].append(item)
+    return [lane for lane in lanes if lane]
 
 
 class _Folded(NamedTuple):

@@ -51,41 +51,64 @@ class Applied(msgspec.Struct, kw_only=True):
 async def apply(db: Database, updates: list[ExecutionUpdate], attempts: list[AttemptRow],
                 now: datetime | None, shard_of: Callable[[uuid.UUID], int],
                 next_after: Callable[[uuid.UUID, str], datetime | None]) -> Applied:
-    """One transaction: execution states (fenced by attempt), attempt rows, retries, successors.
+    """Execution states (fenced by attempt), attempt rows, retries, completed jobs, successors.
 
-    `next_after(job_id, schedule_json)` gives a forbid-overlap cron job's next
-    occurrence once its running one finished.
+    One statement (apply_events) for all but the finished occurrences of
+    forbid-overlap cron jobs; those, whose successor `next_after(job_id,
+    schedule_json)` computes here, go through one transaction after it.
+    Both are idempotent, so replaying the batch after a crash between them
+    redoes only what had not committed.
     """
-    return await retrying(lambda: _apply_once(db, updates, attempts, now, shard_of, next_after))
+    fast = await retrying(lambda: _apply_events(db, updates, attempts, now, shard_of))
+    forbid = set(fast["forbid"])
+    if not forbid:
+        return _applied(fast, 0)
+    held = [u for u in updates if u.job_id in forbid and u.state in ("succeeded", "dead")]
+    slow, successors = await retrying(lambda: _apply_forbid(db, held, now, shard_of, next_after))
+    total = _applied(fast, successors)
+    total.changed += slow["changed"]
+    total.completed_jobs += slow["completed"]
+    return total
 
 
-async def _apply_once(db: Database, updates: list[ExecutionUpdate], attempts: list[AttemptRow],
-                      now: datetime | None, shard_of: Callable[[uuid.UUID], int],
-                      next_after: Callable[[uuid.UUID, str], datetime | None]) -> Applied:
+def _applied(row, successors: int) -> Applied:
+    return Applied(changed=row["changed"], retries=row["retries"], completed_jobs=row["completed"],
+                   successors=successors)
+
+
+async def _apply_events(db: Database, updates: list[ExecutionUpdate], attempts: list[AttemptRow],
+                        now: datetime | None, shard_of: Callable[[uuid.UUID], int]):
+    async with db.connection() as conn:
+        return await conn.fetchrow(q("apply_events"),
+                                   *_events_args(updates, attempts, now, shard_of, False))
+
+
+async def _apply_forbid(db: Database, updates: list[ExecutionUpdate], now: datetime | None,
+                        shard_of: Callable[[uuid.UUID], int],
+                        next_after: Callable[[uuid.UUID, str], datetime | None]):
+    """Finished forbid-overlap occurrences and their successors, in one transaction."""
     async with db.transaction() as conn:
-        changed = await conn.fetch(q("apply_execution_updates"), *_update_args(updates))
-        if attempts:
-            await conn.execute(q("upsert_attempts"), *_attempt_args(attempts))
-        moved = {r["execution_id"] for r in changed}
-        retry = [u for u in updates if u.execution_id in moved and u.state == "retry_wait"]
-        if retry:
-            await conn.execute(q("insert_retry_due"), *_retry_args(retry, shard_of))
-        finished = sorted({u.job_id for u in updates
-                           if u.execution_id in moved and u.state in ("succeeded", "dead")})
+        row = await conn.fetchrow(q("apply_events"),
+                                  *_events_args(updates, [], now, shard_of, True))
         successors = []
-        if finished:
-            status = await conn.execute(q("complete_one_offs"), finished, now)
-            completed = int(status.split()[-1])
-            for row in await conn.fetch(q("forbid_successors"), finished):
-                when = next_after(row["job_id"], row["schedule"])
-                if when is not None:
-                    successors.append((row["job_id"], when))
-            if successors:
-                await conn.execute(q("insert_retry_due"), *_successor_args(successors, shard_of))
-        else:
-            completed = 0
-    return Applied(changed=len(moved), retries=len(retry), completed_jobs=completed,
-                   successors=len(successors))
+        for job in await conn.fetch(q("forbid_successors"), row["finished"]):
+            when = next_after(job["job_id"], job["schedule"])
+            if when is not None:
+                successors.append((job["job_id"], when))
+        if successors:
+            await conn.execute(q("insert_retry_due"), *_successor_args(successors, shard_of))
+    return row, len(successors)
+
+
+def _events_args(updates: list[ExecutionUpdate], attempts: list[AttemptRow],
+                 now: datetime | None, shard_of: Callable[[uuid.UUID], int],
+                 with_forbid: bool) -> tuple:
+    retry = [u.state == "retry_wait" and u.retry_at is not None for u in updates]
+    return (*_update_args(updates), [u.job_id for u in updates],
+            [shard_of(u.job_id) if r else None for u, r in zip(updates, retry, strict=True)],
+            [due_minute(u.retry_at) if r else None for u, r in zip(updates, retry, strict=True)],
+            [u.retry_at if r else None for u, r in zip(updates, retry, strict=True)],
+            *_attempt_args(attempts), now, with_forbid)
 
 
 def _update_args(updates: list[ExecutionUpdate]) -> tuple[list, ...]:
@@ -101,13 +124,6 @@ def _attempt_args(rows: list[AttemptRow]) -> tuple[list, ...]:
             [r.scheduled_for for r in rows], [r.worker_id for r in rows],
             [r.started_at for r in rows], [r.finished_at for r in rows],
             [r.outcome for r in rows], [r.error for r in rows])
-
-
-def _retry_args(retry: list[ExecutionUpdate], shard_of) -> tuple[list, ...]:
-    return ([shard_of(u.job_id) for u in retry], [due_minute(u.retry_at) for u in retry],
-            [u.retry_at for u in retry], [u.job_id for u in retry],
-            [u.execution_id for u in retry], [u.scheduled_for for u in retry],
-            [u.attempt + 1 for u in retry])
 
 
 def _successor_args(successors: list[tuple[uuid.UUID, datetime]], shard_of) -> tuple[list, ...]:

@@ -1,39 +1,74 @@
--- name: apply_execution_updates
--- The execution-event actor's batch: each execution's final state in this
--- batch (collapsed in Python, since one statement may touch a row once),
--- fenced by attempt, so a replayed or stale event changes nothing. A state
--- is only ever moved forward: terminal states are never left.
-UPDATE executions e SET
-    state = u.state,
-    lease_owner = coalesce(u.lease_owner, e.lease_owner),
-    lease_until = CASE WHEN u.state = 'running' THEN u.lease_until END,
-    started_at = coalesce(e.started_at, u.started_at),
-    finished_at = CASE WHEN u.state IN ('succeeded', 'dead') THEN u.finished_at END,
-    result = coalesce(u.result::jsonb, e.result),
-    error = coalesce(u.error::jsonb, e.error)
-FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[], $4::text[], $5::text[],
-            $6::timestamptz[], $7::timestamptz[], $8::timestamptz[], $9::text[], $10::text[])
-     AS u(execution_id, scheduled_for, attempt, state, lease_owner, lease_until, started_at,
-          finished_at, result, error)
-WHERE e.execution_id = u.execution_id AND e.scheduled_for = u.scheduled_for
-  AND e.attempt = u.attempt
-  AND e.state IN ('queued', 'running')
-  AND NOT (e.state = 'running' AND u.state = 'running')
-RETURNING e.execution_id, e.job_id, e.scheduled_for, e.state, e.attempt;
-
--- name: upsert_attempts
--- One row per attempt, for inspection; later events of the same attempt fill it in.
-INSERT INTO execution_attempts AS a (execution_id, attempt, scheduled_for, worker_id, started_at,
-                                     finished_at, outcome, error)
-SELECT * FROM unnest($1::uuid[], $2::integer[], $3::timestamptz[], $4::text[],
-                     $5::timestamptz[], $6::timestamptz[], $7::text[], $8::text[]::jsonb[])
-ON CONFLICT (execution_id, attempt) DO UPDATE SET
-    worker_id = coalesce(a.worker_id, EXCLUDED.worker_id),
-    started_at = coalesce(a.started_at, EXCLUDED.started_at),
-    finished_at = coalesce(EXCLUDED.finished_at, a.finished_at),
-    outcome = CASE WHEN a.outcome IN ('succeeded', 'failed', 'expired', 'canceled')
-                   THEN a.outcome ELSE EXCLUDED.outcome END,
-    error = coalesce(EXCLUDED.error, a.error);
+-- name: apply_events
+-- The event actor's batch in one statement (one round trip): each
+-- execution's final state in the batch (collapsed in Python, since one
+-- statement may touch a row once), fenced by attempt and only ever moved
+-- forward, so a replayed or stale event changes nothing; one row per
+-- attempt; a retry's due row; one-offs that finished are completed. A
+-- finished occurrence of a forbid-overlap cron job is left out unless $24
+-- (its successor is computed in Python, in one transaction with its
+-- update): `forbid` lists those jobs, `finished` the jobs whose execution
+-- this statement finished.
+WITH u AS (
+    SELECT * FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[], $4::text[], $5::text[],
+                         $6::timestamptz[], $7::timestamptz[], $8::timestamptz[], $9::text[],
+                         $10::text[], $11::uuid[], $12::smallint[], $13::timestamptz[],
+                         $14::timestamptz[])
+         AS u(execution_id, scheduled_for, attempt, state, lease_owner, lease_until, started_at,
+              finished_at, result, error, job_id, retry_shard, retry_minute, retry_at)
+), forbid AS (
+    SELECT j.job_id FROM jobs j
+    WHERE j.job_id IN (SELECT job_id FROM u WHERE state IN ('succeeded', 'dead'))
+      AND j.state = 'active' AND j.schedule->>'overlap' = 'forbid'
+), moved AS (
+    UPDATE executions e SET
+        state = u.state,
+        lease_owner = coalesce(u.lease_owner, e.lease_owner),
+        lease_until = CASE WHEN u.state = 'running' THEN u.lease_until END,
+        started_at = coalesce(e.started_at, u.started_at),
+        finished_at = CASE WHEN u.state IN ('succeeded', 'dead') THEN u.finished_at END,
+        result = coalesce(u.result::jsonb, e.result),
+        error = coalesce(u.error::jsonb, e.error)
+    FROM u
+    WHERE e.execution_id = u.execution_id AND e.scheduled_for = u.scheduled_for
+      AND e.attempt = u.attempt
+      AND e.state IN ('queued', 'running')
+      AND NOT (e.state = 'running' AND u.state = 'running')
+      AND ($24 OR NOT (u.state IN ('succeeded', 'dead')
+                       AND u.job_id IN (SELECT job_id FROM forbid)))
+    RETURNING e.execution_id, e.job_id, u.state, u.retry_shard, u.retry_minute, u.retry_at,
+              e.scheduled_for, e.attempt
+), attempts AS (
+    INSERT INTO execution_attempts AS a (execution_id, attempt, scheduled_for, worker_id,
+                                         started_at, finished_at, outcome, error)
+    SELECT * FROM unnest($15::uuid[], $16::integer[], $17::timestamptz[], $18::text[],
+                         $19::timestamptz[], $20::timestamptz[], $21::text[], $22::text[]::jsonb[])
+    ON CONFLICT (execution_id, attempt) DO UPDATE SET
+        worker_id = coalesce(a.worker_id, EXCLUDED.worker_id),
+        started_at = coalesce(a.started_at, EXCLUDED.started_at),
+        finished_at = coalesce(EXCLUDED.finished_at, a.finished_at),
+        outcome = CASE WHEN a.outcome IN ('succeeded', 'failed', 'expired', 'canceled')
+                       THEN a.outcome ELSE EXCLUDED.outcome END,
+        error = coalesce(EXCLUDED.error, a.error)
+), retries AS (
+    INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id,
+                           scheduled_for, attempt)
+    SELECT retry_shard, retry_minute, retry_at, job_id, execution_id, scheduled_for, attempt + 1
+    FROM moved WHERE state = 'retry_wait'
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+), completed AS (
+    UPDATE jobs SET state = 'completed', next_run_at = NULL, version = version + 1,
+                    updated_at = coalesce($23, now())
+    WHERE job_id IN (SELECT job_id FROM moved WHERE state IN ('succeeded', 'dead'))
+      AND state = 'active' AND schedule->>'cron' IS NULL
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM moved) AS changed,
+       (SELECT count(*) FROM retries) AS retries,
+       (SELECT count(*) FROM completed) AS completed,
+       (SELECT coalesce(array_agg(job_id), '{}') FROM forbid) AS forbid,
+       (SELECT coalesce(array_agg(job_id), '{}') FROM moved
+        WHERE state IN ('succeeded', 'dead')) AS finished;
 
 -- name: insert_retry_due
 -- A failed attempt with retries left comes back through the due index.
@@ -42,12 +77,6 @@ INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id, 
 SELECT * FROM unnest($1::smallint[], $2::timestamptz[], $3::timestamptz[], $4::uuid[],
                      $5::uuid[], $6::timestamptz[], $7::integer[])
 ON CONFLICT DO NOTHING;
-
--- name: complete_one_offs
--- A one-off whose execution succeeded or went dead is completed.
-UPDATE jobs SET state = 'completed', next_run_at = NULL, version = version + 1,
-                updated_at = coalesce($2, now())
-WHERE job_id = ANY($1::uuid[]) AND state = 'active' AND schedule->>'cron' IS NULL;
 
 -- name: forbid_successors
 -- Cron jobs with overlap forbid whose occurrence just finished: their next
