@@ -65,7 +65,7 @@ from storage import dispatch as dispatch_store
 from storage import keys, leases, migrate
 from storage.db import Database
 from storage.dispatch import Claimed, Dispatched, DueKey, NewExecution
-from storage.hot import PUBLISH_CHUNK, HotTier, NotifyMessage, ReadyExecution
+from storage.hot import PUBLISH_CHUNK, HotTier, NotifyMessage, ReadyExecution, publish_arg
 from storage.jobs import NewJob, due_minute, insert_jobs
 from storage.tenants import create_tenant
 
@@ -906,8 +906,7 @@ class BareRedis:
 
 def _fcall_publish(base: str, items: list[ReadyExecution]) -> list[tuple]:
     """The pool queue's batch as HotTier.publish sends it: PUBLISH_CHUNK executions a call."""
-    return [("FCALL", "hw_publish", 1, base,
-             *(a for item in items[i:i + PUBLISH_CHUNK] for a in item.args()))
+    return [("FCALL", "hw_publish", 1, base, publish_arg(items[i:i + PUBLISH_CHUNK]))
             for i in range(0, len(items), PUBLISH_CHUNK)]
 
 

@@ -44,6 +44,14 @@ class ReadyExecution(msgspec.Struct, frozen=True, kw_only=True):
                 self.idempotency_key, str(self.max_attempts), str(self.backoff_ms)]
 
 
+_publish_encoder = msgspec.json.Encoder()
+
+
+def publish_arg(items: list[ReadyExecution]) -> bytes:
+    """hw_publish's one argument: every execution's 10 strings, as a JSON array."""
+    return _publish_encoder.encode([item.args() for item in items])
+
+
 class NotifyMessage(msgspec.Struct, frozen=True, array_like=True):
     """A near-due submission, so the owning shard adds it to its heap at once."""
 
@@ -98,8 +106,7 @@ class HotTier:
         for pool, items in batches.items():
             base = keys.pool_base(self.prefix, pool)
             for start in range(0, len(items), PUBLISH_CHUNK):
-                args = [a for item in items[start:start + PUBLISH_CHUNK] for a in item.args()]
-                pipe.fcall("hw_publish", 1, base, *args)
+                pipe.fcall("hw_publish", 1, base, publish_arg(items[start:start + PUBLISH_CHUNK]))
         try:
             results = await pipe.execute()
         except RedisError as exc:

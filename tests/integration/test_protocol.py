@@ -140,6 +140,24 @@ async def test_the_batch_forms_answer_each_item_as_the_single_calls_would(
         await redis_client.fcall("hw_complete_batch", 1, base, "w", first.execution_id, 1)
 
 
+async def test_publish_carries_any_payload_text_exactly(hot, redis_client, key_prefix) -> None:
+    payload = '{"to": "Zoë <z@example.com>", "quote": "\\"hi\\"", "nl": "a\\nb", "n": 1e400}'
+    execution = make_execution(payload=payload)
+    assert await hot.publish({POOL: [execution]}) == 1
+    [(_, fields)] = await redis_client.xrange(keys.ready_stream(key_prefix, POOL))
+    assert fields[b"payload"].decode() == payload
+    assert fields[b"attempt"] == b"1" and fields[b"timeout_seconds"] == b"60"
+    assert await hot.publish({POOL: [execution]}) == 0  # the same attempt again: a no-op
+
+
+async def test_publish_refuses_what_is_not_its_json(hot, redis_client, key_prefix) -> None:
+    base = keys.pool_base(key_prefix, POOL)
+    for bad in ("not json", '[["only", "three", "strings"]]', '{"a": 1}'):
+        with pytest.raises(aioredis.ResponseError, match="hw_publish"):
+            await redis_client.fcall("hw_publish", 1, base, bad)
+    assert await redis_client.exists(keys.ready_stream(key_prefix, POOL)) == 0
+
+
 async def test_heartbeat_extends_only_a_live_lease_of_its_holder(proto, publish, redis_client,
                                                                  key_prefix) -> None:
     execution = await publish()
