@@ -39,6 +39,7 @@ LANES = 2
 STALE_MS = 30_000  # a consumer that has not acked for this long is taken to be dead
 IDLE_POLL_S = 0.05  # after an empty pass; a busy stream is read back to back
 _schedule_decoder = msgspec.json.Decoder(Schedule)
+_encode = msgspec.json.Encoder().encode
 
 _STATE_OF = {"leased": "running", "completed": "succeeded"}
 _OUTCOME_OF = {"leased": "running", "completed": "succeeded", "failed": "failed",
@@ -47,6 +48,21 @@ _OUTCOME_OF = {"leased": "running", "completed": "succeeded", "failed": "failed"
 
 def _at(ms: int | None) -> datetime | None:
     return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def _jsonb(text: str | None) -> str | None:
+    """A worker's result or error as Postgres's jsonb takes it; else as a JSON string.
+
+    The protocol cannot stop a worker in another language from reporting
+    text that is not JSON, and one such event must not fail every batch.
+    """
+    if text is None:
+        return None
+    try:
+        msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        text = _encode(text).decode()
+    return text.replace("\\u0000", "\\ufffd")  # jsonb refuses NUL in strings
 
 
 def _execution_state(event: Event) -> str | None:
@@ -113,10 +129,10 @@ def _fold_update(update: ExecutionUpdate, event: Event, state: str, at: datetime
         update.lease_until = _at(event.lease_until_ms)
         update.started_at = update.started_at or at
     elif event.type == "completed":
-        update.result = event.result
+        update.result = _jsonb(event.result)
         update.finished_at = at
     else:
-        update.error = event.error
+        update.error = _jsonb(event.error)
         update.finished_at = at
         update.retry_at = _at(event.retry_at_ms)
 
@@ -134,7 +150,7 @@ def _fold_attempt(rows: dict, parsed: _Parsed, event: Event, at: datetime) -> No
         row.started_at = row.started_at or at
     else:
         row.finished_at = at
-        row.error = event.error or row.error
+        row.error = _jsonb(event.error) or row.error
 
 
 def next_after(now: datetime):

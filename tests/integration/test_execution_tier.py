@@ -11,6 +11,7 @@ import json
 import uuid
 from datetime import UTC, datetime
 
+import msgspec
 import pytest
 
 from herdwick.clock import ManualClock
@@ -143,11 +144,32 @@ async def test_retry_delays_grow_exponentially_within_their_window(
         await protocol.lease(POOL, "w", 30, eid, attempt)
         retry_at_ms = await protocol.fail(POOL, eid, attempt, "w", '{"message": "x"}', True)
         [(_, fields)] = (await redis_client.xrange(keys.events_stream(key_prefix, POOL)))[-1:]
-        failed_at_ms = int(fields[b"at_ms"])
+        failed_at_ms = int(msgspec.json.decode(fields[b"e"])["at_ms"])
         d_ms = 4000 * 2 ** (attempt - 1)
         assert d_ms / 2 <= retry_at_ms - failed_at_ms <= d_ms
         await node.settle_events()
         await due_and_published(node, clock, d_ms / 1000 + 1)
+
+
+async def test_a_report_that_is_not_json_is_kept_as_text_and_blocks_nothing(
+        api, schedulers, redis_client, key_prefix, clock) -> None:
+    # Another language's worker may report anything; one bad report must not fail every batch.
+    await submit(api, name="a", schedule={"delaySeconds": 1})
+    await submit(api, name="b", schedule={"delaySeconds": 1})
+    await submit(api, name="c", schedule={"delaySeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    base = keys.pool_base(key_prefix, POOL)
+    entries = await redis_client.xrange(keys.ready_stream(key_prefix, POOL))
+    ids = [fields[b"execution_id"].decode() for _, fields in entries]
+    reports = [b"not json", b'"bad \xff bytes"', b'{"nul": "a\\u0000b"}']
+    for eid, report in zip(ids, reports, strict=True):
+        await redis_client.fcall("hw_lease", 1, base, "w", "30", eid, 1)
+        assert await redis_client.fcall("hw_complete", 1, base, eid, 1, "w", report) == b"OK"
+    await node.settle_events()
+    got = [await execution(api, eid) for eid in ids]
+    assert [g["state"] for g in got] == ["succeeded"] * 3
+    assert [g["result"] for g in got] == ["not json", "bad \ufffd bytes", {"nul": "a\ufffdb"}]
 
 
 async def test_a_permanent_failure_dead_letters_at_once(api, schedulers, protocol, redis_client,

@@ -39,8 +39,9 @@ def make_execution(**overrides) -> ReadyExecution:
     return ReadyExecution(**fields)
 
 
-def _text(fields: dict) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in fields.items()}
+def _event(fields: dict) -> dict[str, str]:
+    """An events entry's values: one JSON object in its field `e` (lua/herdwick.lua)."""
+    return msgspec.json.decode(fields[b"e"])
 
 
 class Pool:
@@ -63,7 +64,7 @@ class Pool:
         assert await self.hot.publish({POOL: list(executions)}) == len(executions)
 
     async def events(self, execution_id: str | None = None) -> list[dict[str, str]]:
-        entries = [_text(f) for _, f in await self.client.xrange(self.events_key)]
+        entries = [_event(f) for _, f in await self.client.xrange(self.events_key)]
         return [e for e in entries if execution_id in (None, e["execution_id"])]
 
     async def next_event(self, kind: str, execution_id: str,
@@ -75,7 +76,7 @@ class Pool:
             for _, entries in await self.client.xread({self.events_key: last}, count=100,
                                                       block=left_ms) or []:
                 for entry_id, fields in entries:
-                    last, event = entry_id, _text(fields)
+                    last, event = entry_id, _event(fields)
                     if event["type"] == kind and event["execution_id"] == execution_id:
                         return event
         raise AssertionError(f"no {kind} event for {execution_id} within {timeout_s} s")
