@@ -32,7 +32,11 @@ from storage.protocol import Event, Protocol
 log = logging.getLogger("herdwick.executions")
 
 GROUP = "scheduler"
-READ_COUNT = 2_000
+# An entry holds one event, or a worker's batch call's (up to a thousand): each pool's
+# read asks for as many entries as make about BATCH_EVENTS at the density seen last.
+BATCH_EVENTS = 2_000
+MAX_READ_ENTRIES = 2_000
+FIRST_DENSITY = 100.0  # events an entry, until a read tells
 # A batch commits as this many transactions at once, an execution's events always in
 # the same one (by id): one transaction is one Postgres backend, i.e. at most one core.
 LANES = 2
@@ -188,6 +192,7 @@ class ExecutionEvents(Actor):
         self._busy = False
         self._replay = True
         self._committing: list[asyncio.Task] = []  # oldest first
+        self._density: dict[str, float] = {}  # pool -> events an entry, smoothed
         self.applied = 0  # events applied; read by tests and reports
 
     def idle_timeout(self) -> float | None:
@@ -238,19 +243,30 @@ class ExecutionEvents(Actor):
                 events = await self._read(">")
         else:
             events = await self._read(">")
-        lanes = [(lane, self._fold(lane)) for lane in _lanes(events)]
+        lanes = [self._fold(lane) for lane in _lanes(events)]
         await self.quiesce()
-        self._committing += [asyncio.create_task(self._commit(lane, folded))
-                             for lane, folded in lanes]
+        if events:
+            self._committing.append(asyncio.create_task(self._commit(events, lanes)))
         return len(events)
 
     async def _read(self, from_id: str) -> list[tuple[str, Event]]:
         events: list[tuple[str, Event]] = []
         for pool in self._pools:
-            got = await self._protocol.read_events(pool, GROUP, self._node_id, READ_COUNT, None,
-                                                   from_id=from_id)
+            got = await self._protocol.read_events(pool, GROUP, self._node_id,
+                                                   self._count(pool), None, from_id=from_id)
+            self._learn(pool, got)
             events += [(pool, e) for e in got]
         return events
+
+    def _count(self, pool: str) -> int:
+        density = self._density.get(pool, FIRST_DENSITY)
+        return max(1, min(MAX_READ_ENTRIES, round(BATCH_EVENTS / density)))
+
+    def _learn(self, pool: str, got: list[Event]) -> None:
+        if got:
+            entries = len({e.stream_id for e in got})
+            seen = self._density.get(pool, FIRST_DENSITY)
+            self._density[pool] = (seen + len(got) / entries) / 2
 
     async def claim_stale(self) -> int:
         """Take over what a dead node's consumer read and never applied."""
@@ -258,31 +274,35 @@ class ExecutionEvents(Actor):
         events: list[tuple[str, Event]] = []
         for pool in self._pools:
             got = await self._protocol.claim_stale_events(pool, GROUP, self._node_id, STALE_MS,
-                                                          READ_COUNT)
+                                                          self._count(pool))
             events += [(pool, e) for e in got]
         if events:
-            await self._commit(events, self._fold(events))
+            await self._commit(events, [self._fold([e for _, e in events])])
         return len(events)
 
-    def _fold(self, events: list[tuple[str, Event]]) -> _Folded:
-        updates, attempts = collapse([e for _, e in events])
+    def _fold(self, events: list[Event]) -> _Folded:
+        updates, attempts = collapse(events)
         return _Folded(updates, attempts, None if self._db_now else self.clock.now(),
                        self.clock.now())
 
-    async def _commit(self, events: list[tuple[str, Event]], folded: _Folded) -> None:
-        """Apply in one transaction, then ack: a crash between the two replays, harmlessly."""
-        await store.apply(self._db, folded.updates, folded.attempts, folded.now, shard_of,
-                          next_after(folded.clock_now))
+    async def _commit(self, events: list[tuple[str, Event]], lanes: list[_Folded]) -> None:
+        """Apply the lanes at once, then ack: a crash before the ack replays, harmlessly.
+
+        Acks wait for every lane: the events of one entry (a batch call's) may
+        be split over lanes.
+        """
+        await asyncio.gather(*(store.apply(self._db, f.updates, f.attempts, f.now, shard_of,
+                                           next_after(f.clock_now)) for f in lanes))
         for pool in {p for p, _ in events}:
             await self._protocol.ack_events(pool, GROUP,
                                             [e.stream_id for p, e in events if p == pool])
         self.applied += len(events)
 
 
-def _lanes(events: list[tuple[str, Event]]) -> list[list[tuple[str, Event]]]:
-    lanes: list[list[tuple[str, Event]]] = [[] for _ in range(LANES)]
-    for item in events:
-        lanes[hash(item[1].execution_id) % LANES].append(item)
+def _lanes(events: list[tuple[str, Event]]) -> list[list[Event]]:
+    lanes: list[list[Event]] = [[] for _ in range(LANES)]
+    for _, event in events:
+        lanes[hash(event.execution_id) % LANES].append(event)
     return [lane for lane in lanes if lane]
 
 

@@ -22,10 +22,12 @@ The attempt is the fencing token: a worker call whose attempt is not the
 current one, whose lease lapsed, or that another worker holds, answers
 LEASE_LOST and changes nothing.
 
-Every events entry has one field, `e`: a JSON object (one field, not one per
-value: the event actor decodes tens of thousands a second) whose values are
-strings: type, execution_id, attempt, job_id, tenant_id, scheduled_for,
-worker_id, at_ms, and by type:
+Every events entry has one field, `e`: one event, or an array of the events of
+one batch call (hw_lease_batch, hw_complete_batch), in order. (One field, and
+one entry a batch: the event actor reads tens of thousands of events a
+second.) An event is a JSON object whose values are strings: type,
+execution_id, attempt, job_id, tenant_id, scheduled_for, worker_id, at_ms,
+and by type:
   leased     lease_until_ms
   completed  result (JSON text as the worker gave it)
   failed     error (JSON text), retryable ('0'|'1'), outcome ('retry'|'dead'),
@@ -35,7 +37,7 @@ worker_id, at_ms, and by type:
   canceled   nothing more (worker_id is the holder's, '' if none)
 ]]
 
-local LIBRARY_VERSION = '5'
+local LIBRARY_VERSION = '6'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- done, dead and canceled hashes linger this long so a late duplicate call
 -- still meets its execution (and gets LEASE_LOST), then they go.
@@ -165,7 +167,9 @@ local function holds(h, attempt, worker_id, now)
          and h.lease_owner == worker_id and (tonumber(h.lease_until) or 0) > now
 end
 
-local function emit(base, kind, execution_id, h, worker_id, now, extra)
+-- An event: XADDed at once, or, given `into` (a batch function's list), added to
+-- it for flush() to XADD as one entry.
+local function emit(base, kind, execution_id, h, worker_id, now, extra, into)
   local event = {type = kind, execution_id = execution_id, attempt = h.attempt,
                  job_id = h.job_id or '', tenant_id = h.tenant_id or '',
                  scheduled_for = h.scheduled_for or '', worker_id = worker_id or '',
@@ -173,7 +177,17 @@ local function emit(base, kind, execution_id, h, worker_id, now, extra)
   for i = 1, #extra, 2 do
     event[extra[i]] = extra[i + 1]
   end
-  redis.call('XADD', base .. ':events', '*', 'e', cjson.encode(event))
+  if into then
+    into[#into + 1] = event
+  else
+    redis.call('XADD', base .. ':events', '*', 'e', cjson.encode(event))
+  end
+end
+
+local function flush(base, events)
+  if #events > 0 then
+    redis.call('XADD', base .. ':events', '*', 'e', cjson.encode(events))
+  end
 end
 
 --[[
@@ -242,7 +256,7 @@ attempt is in retry_wait or finished.
 Reply: lease_until_ms (integer) | LEASE_LOST (status).
 ]]
 -- One lease (hw_lease, hw_lease_batch): lease_until_ms or LEASE_LOST.
-local function lease_one(base, worker_id, lease_ms, execution_id, attempt, now)
+local function lease_one(base, worker_id, lease_ms, execution_id, attempt, now, events)
   local hot = base .. ':x:' .. execution_id
   local h = load_hot(hot)
   if h == nil or tonumber(h.attempt) ~= attempt then
@@ -257,7 +271,8 @@ local function lease_one(base, worker_id, lease_ms, execution_id, attempt, now)
              'lease_until', fmt(lease_until))
   redis.call('ZADD', base .. ':leases', lease_until, execution_id)
   if first then
-    emit(base, 'leased', execution_id, h, worker_id, now, {'lease_until_ms', fmt(lease_until)})
+    emit(base, 'leased', execution_id, h, worker_id, now, {'lease_until_ms', fmt(lease_until)},
+         events)
   end
   return lease_until
 end
@@ -266,13 +281,15 @@ local function hw_lease(keys, args)
   local worker_id = worker_arg('hw_lease', args[1])
   local lease_ms = lease_ms_arg('hw_lease', args[2])
   local attempt = int_arg('hw_lease', 'attempt', args[4])
-  return lease_one(keys[1], worker_id, lease_ms, args[3], attempt, now_ms())
+  -- (now_ms()): only its first value; a bare call would fill the `events` argument too
+  return lease_one(keys[1], worker_id, lease_ms, args[3], attempt, (now_ms()))
 end
 
 --[[
 hw_lease_batch  KEYS[1] = P:{pool}
                 ARGV = worker_id, lease_seconds, then execution_id, attempt pairs
-hw_lease for each pair, in one call (the SDK leases what one read returned).
+hw_lease for each pair, in one call (the SDK leases what one read returned);
+their `leased` events go as one events entry.
 Reply: an array, one hw_lease reply per pair, in order.
 ]]
 local function hw_lease_batch(keys, args)
@@ -282,11 +299,13 @@ local function hw_lease_batch(keys, args)
     bad_arg('hw_lease_batch', 'takes execution_id, attempt pairs')
   end
   local now = now_ms()
-  local replies = {}
+  local replies, events = {}, {}
   for i = 3, #args, 2 do
     local attempt = int_arg('hw_lease_batch', 'attempt', args[i + 1])
-    replies[#replies + 1] = lease_one(keys[1], worker_id, lease_ms, args[i], attempt, now)
+    replies[#replies + 1] = lease_one(keys[1], worker_id, lease_ms, args[i], attempt, now,
+                                      events)
   end
+  flush(keys[1], events)
   return replies
 end
 
@@ -323,7 +342,7 @@ complete meets it, then expires.
 Reply: OK | LEASE_LOST (status; same checks as hw_heartbeat).
 ]]
 -- One completion (hw_complete, hw_complete_batch): OK or LEASE_LOST.
-local function complete_one(base, execution_id, attempt, worker_id, result_json, now)
+local function complete_one(base, execution_id, attempt, worker_id, result_json, now, events)
   local hot = base .. ':x:' .. execution_id
   local h = load_hot(hot)
   if not holds(h, attempt, worker_id, now) then
@@ -332,20 +351,21 @@ local function complete_one(base, execution_id, attempt, worker_id, result_json,
   redis.call('HSET', hot, 'state', 'done')
   redis.call('PEXPIRE', hot, TERMINAL_TTL_MS)
   redis.call('ZREM', base .. ':leases', execution_id)
-  emit(base, 'completed', execution_id, h, worker_id, now, {'result', result_json})
+  emit(base, 'completed', execution_id, h, worker_id, now, {'result', result_json}, events)
   return OK
 end
 
 local function hw_complete(keys, args)
   local attempt = int_arg('hw_complete', 'attempt', args[2])
   local worker_id = worker_arg('hw_complete', args[3])
-  return complete_one(keys[1], args[1], attempt, worker_id, args[4] or 'null', now_ms())
+  return complete_one(keys[1], args[1], attempt, worker_id, args[4] or 'null', (now_ms()))
 end
 
 --[[
 hw_complete_batch  KEYS[1] = P:{pool}
                    ARGV = worker_id, then execution_id, attempt, result_json triples
-hw_complete for each triple, in one call (the SDK sends what finished meanwhile).
+hw_complete for each triple, in one call (the SDK sends what finished
+meanwhile); their `completed` events go as one events entry.
 Reply: an array, one hw_complete reply per triple, in order.
 ]]
 local function hw_complete_batch(keys, args)
@@ -354,11 +374,13 @@ local function hw_complete_batch(keys, args)
     bad_arg('hw_complete_batch', 'takes execution_id, attempt, result_json triples')
   end
   local now = now_ms()
-  local replies = {}
+  local replies, events = {}, {}
   for i = 2, #args, 3 do
     local attempt = int_arg('hw_complete_batch', 'attempt', args[i + 1])
-    replies[#replies + 1] = complete_one(keys[1], args[i], attempt, worker_id, args[i + 2], now)
+    replies[#replies + 1] = complete_one(keys[1], args[i], attempt, worker_id, args[i + 2], now,
+                                         events)
   end
+  flush(keys[1], events)
   return replies
 end
 

@@ -49,10 +49,11 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
     retryable: bool | None = None  # failed, expired
     outcome: str | None = None  # failed, expired: retry | dead
     retry_at_ms: int | None = None  # failed, expired with outcome retry
-    stream_id: str = ""  # the entry's id, for ack_events
+    stream_id: str = ""  # the entry's id, for ack_events (a batch call's events share one)
 
 
-_event_decoder = msgspec.json.Decoder(Event, strict=False)  # its values are all strings
+# One event, or a batch call's events; their values are all strings.
+_event_decoder = msgspec.json.Decoder(Event | list[Event], strict=False)
 
 
 def _text(value: bytes | str) -> str:
@@ -89,19 +90,22 @@ def _entries(reply: Any) -> Iterator[tuple[Any, dict | None]]:
                 stack.append(item)
 
 
-def _event(stream_id: bytes | str, fields: dict) -> Event:
-    """One events entry; the event actor decodes tens of thousands a second."""
+def _events(stream_id: bytes | str, fields: dict) -> list[Event]:
+    """The events of one entry, each carrying the entry's id (several share it)."""
+    sid = _text(stream_id)
     data = fields.get(b"e") if isinstance(stream_id, bytes) else fields.get("e")
     if data is None:  # an entry of library version 4 or older: one field per value
         decoded = {_text(k): _text(v) for k, v in fields.items()}
-        decoded["stream_id"] = _text(stream_id)
-        return msgspec.convert(decoded, Event, strict=False)
+        decoded["stream_id"] = sid
+        return [msgspec.convert(decoded, Event, strict=False)]
     try:
-        event = _event_decoder.decode(data)
+        got = _event_decoder.decode(data)
     except msgspec.DecodeError:  # not UTF-8 (a worker's result, say): keep what can be read
-        event = _event_decoder.decode(data.decode(errors="replace"))
-    msgspec.structs.force_setattr(event, "stream_id", _text(stream_id))
-    return event
+        got = _event_decoder.decode(data.decode(errors="replace"))
+    events = got if isinstance(got, list) else [got]
+    for event in events:
+        msgspec.structs.force_setattr(event, "stream_id", sid)
+    return events
 
 
 def _stream_id(text: str) -> tuple[int, int]:
@@ -232,7 +236,7 @@ class Protocol:
             if fields is None:  # trimmed while pending: nothing left to apply
                 trimmed.append(stream_id)
                 continue
-            events.append(_event(stream_id, fields))
+            events += _events(stream_id, fields)
         if trimmed:
             await self.ack_events(pool, group, [_text(i) for i in trimmed])
         return events
@@ -249,7 +253,7 @@ class Protocol:
                 if "NOGROUP" not in str(exc):
                     raise
                 return []
-        return [_event(stream_id, fields) for stream_id, fields in reply[1] if fields]
+        return [e for stream_id, fields in reply[1] if fields for e in _events(stream_id, fields)]
 
     async def ack_events(self, pool: str, group: str, ids: Sequence[str]) -> int:
         """XACK after the events are committed, then XDEL them, in one round trip.
@@ -258,6 +262,7 @@ class Protocol:
         one: deleting it keeps the stream's length bounded by what is unapplied.
         Returns how many were pending.
         """
+        ids = list(dict.fromkeys(ids))  # the events of one entry share its id
         if not ids:
             return 0
         stream = keys.events_stream(self.prefix, pool)

@@ -128,6 +128,8 @@ async def test_the_batch_forms_answer_each_item_as_the_single_calls_would(
         taken.execution_id, 1, "null", second.execution_id, 1, '{"n": 2}')
     assert done == [b"OK", b"LEASE_LOST", b"OK"]
     assert (await hot_state(redis_client, key_prefix, taken.execution_id))["state"] == "leased"
+    # One entry a call: the single lease, then each batch call's events together.
+    assert await redis_client.xlen(keys.events_stream(key_prefix, POOL)) == 3
     told = [(e.type, e.execution_id, e.worker_id, e.result) for e in await events(proto)]
     assert told == [("leased", taken.execution_id, "worker-b", None),
                     ("leased", first.execution_id, "worker-a", None),

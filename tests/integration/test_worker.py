@@ -39,9 +39,10 @@ def make_execution(**overrides) -> ReadyExecution:
     return ReadyExecution(**fields)
 
 
-def _event(fields: dict) -> dict[str, str]:
-    """An events entry's values: one JSON object in its field `e` (lua/herdwick.lua)."""
-    return msgspec.json.decode(fields[b"e"])
+def _events(fields: dict) -> list[dict[str, str]]:
+    """An events entry's events: its field `e` holds one, or a batch call's list."""
+    got = msgspec.json.decode(fields[b"e"])
+    return got if isinstance(got, list) else [got]
 
 
 class Pool:
@@ -64,7 +65,7 @@ class Pool:
         assert await self.hot.publish({POOL: list(executions)}) == len(executions)
 
     async def events(self, execution_id: str | None = None) -> list[dict[str, str]]:
-        entries = [_event(f) for _, f in await self.client.xrange(self.events_key)]
+        entries = [e for _, f in await self.client.xrange(self.events_key) for e in _events(f)]
         return [e for e in entries if execution_id in (None, e["execution_id"])]
 
     async def next_event(self, kind: str, execution_id: str,
@@ -76,9 +77,10 @@ class Pool:
             for _, entries in await self.client.xread({self.events_key: last}, count=100,
                                                       block=left_ms) or []:
                 for entry_id, fields in entries:
-                    last, event = entry_id, _event(fields)
-                    if event["type"] == kind and event["execution_id"] == execution_id:
-                        return event
+                    last = entry_id
+                    for event in _events(fields):
+                        if event["type"] == kind and event["execution_id"] == execution_id:
+                            return event
         raise AssertionError(f"no {kind} event for {execution_id} within {timeout_s} s")
 
     async def entries_read(self) -> int:
