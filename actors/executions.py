@@ -77,27 +77,6 @@ def _execution_state(event: Event) -> str | None:
     return None  # canceled: the API already wrote it
 
 
-class _Parsed:
-    """Per-batch caches: a herd's events share a few scheduled_for values, and each
-    execution has two or more events; parse each text once."""
-
-    def __init__(self) -> None:
-        self.ids: dict[str, uuid.UUID] = {}
-        self.times: dict[str, datetime] = {}
-
-    def id(self, text: str) -> uuid.UUID:
-        value = self.ids.get(text)
-        if value is None:
-            value = self.ids[text] = uuid.UUID(text)
-        return value
-
-    def time(self, text: str) -> datetime:
-        value = self.times.get(text)
-        if value is None:
-            value = self.times[text] = datetime.fromisoformat(text)
-        return value
-
-
 def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRow]]:
     """Fold a batch, in stream order, into one update per execution and one row per attempt.
 
@@ -105,12 +84,15 @@ def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRo
     (leased, then completed) belong in one final state. Of several attempts
     of one execution, the latest wins the execution row.
     """
-    parsed = _Parsed()
+    times: dict[str, datetime] = {}  # a herd's events share a few scheduled_for values
     updates: dict[str, ExecutionUpdate] = {}
     attempts: dict[tuple[str, int], AttemptRow] = {}
     for event in events:
-        at = _at(event.at_ms)
-        _fold_attempt(attempts, parsed, event, at)
+        scheduled_for = times.get(event.scheduled_for)
+        if scheduled_for is None:
+            scheduled_for = times[event.scheduled_for] = \
+                datetime.fromisoformat(event.scheduled_for)
+        _fold_attempt(attempts, event, scheduled_for)
         state = _execution_state(event)
         if state is None:
             continue
@@ -119,41 +101,39 @@ def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRo
             continue
         if current is None or current.attempt < event.attempt:
             current = updates[event.execution_id] = ExecutionUpdate(
-                execution_id=parsed.id(event.execution_id),
-                scheduled_for=parsed.time(event.scheduled_for), attempt=event.attempt,
-                state=state, job_id=parsed.id(event.job_id))
-        _fold_update(current, event, state, at)
+                execution_id=event.execution_id, scheduled_for=scheduled_for,
+                attempt=event.attempt, state=state, job_id=event.job_id)
+        _fold_update(current, event, state)
     return list(updates.values()), list(attempts.values())
 
 
-def _fold_update(update: ExecutionUpdate, event: Event, state: str, at: datetime) -> None:
+def _fold_update(update: ExecutionUpdate, event: Event, state: str) -> None:
     update.state = state
     if event.type == "leased":
         update.lease_owner = event.worker_id
-        update.lease_until = _at(event.lease_until_ms)
-        update.started_at = update.started_at or at
+        update.lease_until_ms = event.lease_until_ms
+        update.started_ms = update.started_ms or event.at_ms
     elif event.type == "completed":
         update.result = _jsonb(event.result)
-        update.finished_at = at
+        update.finished_ms = event.at_ms
     else:
         update.error = _jsonb(event.error)
-        update.finished_at = at
+        update.finished_ms = event.at_ms
         update.retry_at = _at(event.retry_at_ms)
 
 
-def _fold_attempt(rows: dict, parsed: _Parsed, event: Event, at: datetime) -> None:
+def _fold_attempt(rows: dict, event: Event, scheduled_for: datetime) -> None:
     key = (event.execution_id, event.attempt)
     row = rows.get(key)
     if row is None:
-        row = rows[key] = AttemptRow(execution_id=parsed.id(event.execution_id),
-                                     attempt=event.attempt,
-                                     scheduled_for=parsed.time(event.scheduled_for))
+        row = rows[key] = AttemptRow(execution_id=event.execution_id, attempt=event.attempt,
+                                     scheduled_for=scheduled_for)
     row.worker_id = row.worker_id or event.worker_id or None
     row.outcome = _OUTCOME_OF.get(event.type, row.outcome)
     if event.type == "leased":
-        row.started_at = row.started_at or at
+        row.started_ms = row.started_ms or event.at_ms
     else:
-        row.finished_at = at
+        row.finished_ms = event.at_ms
         row.error = _jsonb(event.error) or row.error
 
 

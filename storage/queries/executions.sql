@@ -8,13 +8,18 @@
 -- (its successor is computed in Python, in one transaction with its
 -- update): `forbid` lists those jobs, `finished` the jobs whose execution
 -- this statement finished.
-WITH u AS (
-    SELECT * FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[], $4::text[], $5::text[],
-                         $6::timestamptz[], $7::timestamptz[], $8::timestamptz[], $9::text[],
-                         $10::text[], $11::uuid[], $12::smallint[], $13::timestamptz[],
-                         $14::timestamptz[])
-         AS u(execution_id, scheduled_for, attempt, state, lease_owner, lease_until, started_at,
-              finished_at, result, error, job_id, retry_shard, retry_minute, retry_at)
+WITH u AS (  -- times arrive as Redis milliseconds
+    SELECT execution_id, scheduled_for, attempt, state, lease_owner,
+           to_timestamp(lease_until_ms / 1000.0) AS lease_until,
+           to_timestamp(started_ms / 1000.0) AS started_at,
+           to_timestamp(finished_ms / 1000.0) AS finished_at,
+           result, error, job_id, retry_shard, retry_minute, retry_at
+    FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[], $4::text[], $5::text[],
+                $6::bigint[], $7::bigint[], $8::bigint[], $9::text[], $10::text[], $11::uuid[],
+                $12::smallint[], $13::timestamptz[], $14::timestamptz[])
+         AS u(execution_id, scheduled_for, attempt, state, lease_owner, lease_until_ms,
+              started_ms, finished_ms, result, error, job_id, retry_shard, retry_minute,
+              retry_at)
 ), forbid AS (
     SELECT j.job_id FROM jobs j
     WHERE j.job_id IN (SELECT job_id FROM u WHERE state IN ('succeeded', 'dead'))
@@ -40,8 +45,12 @@ WITH u AS (
 ), attempts AS (
     INSERT INTO execution_attempts AS a (execution_id, attempt, scheduled_for, worker_id,
                                          started_at, finished_at, outcome, error)
-    SELECT * FROM unnest($15::uuid[], $16::integer[], $17::timestamptz[], $18::text[],
-                         $19::timestamptz[], $20::timestamptz[], $21::text[], $22::text[]::jsonb[])
+    SELECT execution_id, attempt, scheduled_for, worker_id, to_timestamp(started_ms / 1000.0),
+           to_timestamp(finished_ms / 1000.0), outcome, error
+    FROM unnest($15::uuid[], $16::integer[], $17::timestamptz[], $18::text[], $19::bigint[],
+                $20::bigint[], $21::text[], $22::text[]::jsonb[])
+         AS r(execution_id, attempt, scheduled_for, worker_id, started_ms, finished_ms, outcome,
+              error)
     ON CONFLICT (execution_id, attempt) DO UPDATE SET
         worker_id = coalesce(a.worker_id, EXCLUDED.worker_id),
         started_at = coalesce(a.started_at, EXCLUDED.started_at),

@@ -172,6 +172,34 @@ async def test_a_report_that_is_not_json_is_kept_as_text_and_blocks_nothing(
     assert [g["result"] for g in got] == ["not json", "bad \ufffd bytes", {"nul": "a\ufffdb"}]
 
 
+async def test_history_times_are_the_redis_servers(api, schedulers, protocol, redis_client,
+                                                   key_prefix, clock) -> None:
+    async def redis_now() -> datetime:
+        seconds, micros = await redis_client.time()
+        return datetime.fromtimestamp(seconds + micros // 1000 / 1000, UTC)
+
+    await submit(api, schedule={"delaySeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    before = await redis_now()
+    until_ms = await protocol.lease(POOL, "w", 30, eid, 1)
+    await node.settle_events()
+    running = await execution(api, eid)
+    assert running["state"] == "running"
+    started = datetime.fromisoformat(running["startedAt"])
+    assert before <= started <= await redis_now()
+    assert running["attempts"][0]["startedAt"] == running["startedAt"]
+    await protocol.complete(POOL, eid, 1, "w", "{}")
+    after = await redis_now()
+    await node.settle_events()
+    done = await execution(api, eid)
+    finished = datetime.fromisoformat(done["finishedAt"])
+    assert done["startedAt"] == running["startedAt"] and started <= finished <= after
+    assert done["attempts"][0]["finishedAt"] == done["finishedAt"]
+    assert until_ms - 30_000 <= started.timestamp() * 1000 <= until_ms
+
+
 async def test_a_permanent_failure_dead_letters_at_once(api, schedulers, protocol, redis_client,
                                                         key_prefix, clock) -> None:
     await submit(api, schedule={"delaySeconds": 1})
