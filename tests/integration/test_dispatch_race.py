@@ -119,8 +119,8 @@ async def test_a_retry_claimed_behind_a_pause_is_parked_not_started(api: Api, db
     [first] = (await dispatch_at(T0, T0)).queued
     retry_at = T0 + timedelta(seconds=10)
     await executions.apply(db, [ExecutionUpdate(
-        execution_id=first.execution_id, scheduled_for=first.scheduled_for, attempt=1,
-        state="retry_wait", job_id=job_id, retry_at=retry_at)], [], T0, shard_of,
+        execution_id=str(first.execution_id), scheduled_for=first.scheduled_for, attempt=1,
+        state="retry_wait", job_id=str(job_id), retry_at=retry_at)], [], T0, shard_of,
         lambda *_: None)
 
     # A pause (the statements of storage.jobs.transition_job) has locked the job's due rows
