@@ -36,8 +36,7 @@ from actors.scheduler import Scheduler
 from herdwick.clock import ManualClock
 from herdwick.config import Settings
 from herdwick.embedded import EmbeddedService, start_redis
-from tests.integration.conftest import Api, make_job
-from tests.integration.gateway_client import start_client
+from tests.integration.conftest import Api, make_job, tenant_api
 from tests.integration.stack import advance
 
 pytestmark = pytest.mark.slow
@@ -99,14 +98,8 @@ async def admin(private_redis: PrivateRedis) -> AsyncIterator[aioredis.Redis]:
 
 @pytest.fixture
 async def api(db_url, private_redis, key_prefix, clock) -> AsyncIterator[Api]:
-    client = await start_client(db_url, private_redis.url, key_prefix, clock)
-    try:
-        holder = Api(client=client, key="", tenant_id="")
-        tenant = await holder.create_tenant()
-        holder.key, holder.tenant_id = tenant["apiKey"], tenant["tenantId"]
+    async with tenant_api(db_url, private_redis.url, key_prefix, clock) as holder:
         yield holder
-    finally:
-        await client.close()
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -40,9 +41,10 @@ def make_job(**overrides) -> dict:
     return body
 
 
-@pytest.fixture
-async def api(db_url, services, key_prefix, clock) -> AsyncIterator[Api]:
-    client = await start_client(db_url, services.redis_url, key_prefix, clock)
+@asynccontextmanager
+async def tenant_api(db_url: str, redis_url: str, key_prefix: str, clock) -> AsyncIterator[Api]:
+    """A gateway on a real socket, and a tenant of it with its API key."""
+    client = await start_client(db_url, redis_url, key_prefix, clock)
     try:
         holder = Api(client=client, key="", tenant_id="")
         tenant = await holder.create_tenant()
@@ -50,6 +52,12 @@ async def api(db_url, services, key_prefix, clock) -> AsyncIterator[Api]:
         yield holder
     finally:
         await client.close()
+
+
+@pytest.fixture
+async def api(db_url, services, key_prefix, clock) -> AsyncIterator[Api]:
+    async with tenant_api(db_url, services.redis_url, key_prefix, clock) as holder:
+        yield holder
 
 
 @pytest.fixture
