@@ -110,11 +110,12 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
 
     herd_arguments(herd)
     e2e = actions.add_parser(
-        "e2e", help="a herd through SDK workers to outcomes committed in Postgres",
-        description="A herd due in one second, `herdwick scheduler` and `herdwick worker` "
-                    "processes with a no-op handler; reports the time until every "
-                    "execution succeeded in Postgres, due->lease lag, and Postgres "
-                    "transactions and Redis commands per execution.")
+        "e2e", help="a herd or a steady rate through SDK workers to outcomes in Postgres",
+        description="A herd due in one second (--jobs), a steady rate (--rate, --duration) "
+                    "or both, through `herdwick scheduler` and `herdwick worker` processes "
+                    "with a no-op handler; reports the time until every execution "
+                    "succeeded in Postgres, due->lease lag, the events and ready streams' "
+                    "backlog, and Postgres transactions and Redis commands per execution.")
     from loadtest.e2e import add_arguments as e2e_arguments
 
     e2e_arguments(e2e)
