@@ -206,14 +206,11 @@ class _Calls:
         self.worker_id = worker_id
         self.lease_arg = f"{lease_s:g}"
 
-    async def lease_many(self, messages: list[_Message]) -> list[int | Exception | None]:
-        """Lease a batch in one call; a failed call comes back as its error, for each message."""
+    async def lease_many(self, messages: list[_Message]) -> list[int | None]:
+        """Lease a batch in one call; RedisError if the call failed (then none is leased)."""
         args = [a for m in messages for a in (m.execution_id, m.attempt)]
-        try:
-            replies = await self.pipeline.submit("FCALL", "hw_lease_batch", 1, self.base,
-                                                 self.worker_id, self.lease_arg, *args)
-        except RedisError as exc:
-            return [exc] * len(messages)
+        replies = await self.pipeline.submit("FCALL", "hw_lease_batch", 1, self.base,
+                                             self.worker_id, self.lease_arg, *args)
         return [_until(r) for r in replies]
 
     def ack(self, message_ids: list) -> None:
@@ -757,15 +754,10 @@ class Worker:
             else:
                 messages.append(message)
         sent_at = asyncio.get_running_loop().time()
+        # A failed call raises: every message stays pending, for XAUTOCLAIM, and the read
+        # loop pauses before reading again.
         replies = await calls.lease_many(messages) if messages else []
-        unreachable = None
         for message, reply in zip(messages, replies, strict=True):
-            if isinstance(reply, Exception):  # stays pending: XAUTOCLAIM retries it
-                log.warning("event=lease_failed execution_id=%s error=%s", message.execution_id,
-                            reply)
-                if not isinstance(reply, ResponseError):
-                    unreachable = reply
-                continue
             settled.append(message.message_id)
             if reply is None:
                 log.debug("event=lease_refused execution_id=%s attempt=%d",
@@ -774,8 +766,6 @@ class Worker:
                 self._spawn(calls, message, _Lease(calls, message, self.lease_s, sent_at))
         if settled:
             calls.ack(settled)
-        if unreachable is not None:
-            raise unreachable  # the read loop pauses before trying again
 
     def _spawn(self, calls: _Calls, message: _Message, lease: _Lease) -> None:
         assert self._handler is not None

@@ -453,3 +453,35 @@ async def test_the_cli_runs_a_worker_until_sigterm(pool: Pool, tmp_path: Path) -
     assert msgspec.json.decode(done["result"]) == {"echo": {"to": "a@example.com"}}
     assert proc.returncode == 0, stderr.decode()
     assert b"event=worker_stopped" in stderr
+
+
+async def test_a_failed_lease_call_leaves_the_batch_pending_until_it_works(
+        tmp_path: Path) -> None:
+    # A private server: the library is taken away (what an empty Redis restart does).
+    from herdwick.embedded import start_redis
+
+    server = start_redis(tmp_path)
+    client = aioredis.from_url(server.url)
+    try:
+        pool = Pool(client, "hwt:lib", server.url)
+        await pool.hot.load_functions()
+        execution = make_execution()
+        await pool.publish(execution)
+        await client.function_delete("herdwick")
+        worker = pool.worker(lease_s=0.6)  # claims what has been idle for over 0.6 s
+        runs = []
+
+        @worker.handler
+        async def handle(ctx: herdwick.Context) -> None:
+            runs.append(ctx.attempt)
+
+        async with running(worker):
+            await eventually(lambda: pool.entries_read(), 1)
+            assert await pending(pool) == 1 and runs == []  # read, not leased: still pending
+            await pool.hot.load_functions()
+            await pool.next_event("completed", execution.execution_id)
+        assert runs == [1]
+        assert await pending(pool) == 0
+    finally:
+        await client.aclose()
+        server.stop()
