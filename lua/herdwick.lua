@@ -37,7 +37,7 @@ and by type:
   canceled   nothing more (worker_id is the holder's, '' if none)
 ]]
 
-local LIBRARY_VERSION = '6'
+local LIBRARY_VERSION = '7'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- done, dead and canceled hashes linger this long so a late duplicate call
 -- still meets its execution (and gets LEASE_LOST), then they go.
@@ -48,13 +48,14 @@ local PUBLISH_FIELDS = 10
 
 --[[
 hw_publish  KEYS[1] = P:{pool}
-            ARGV[1] = a JSON array with one array of 10 strings per execution:
+            ARGV[1] = a MessagePack array with one array of 10 strings per execution:
                    execution_id, attempt (decimal, from 1), job_id, tenant_id,
                    scheduled_for (RFC 3339 UTC), payload (JSON text),
                    timeout_seconds, idempotency_key, max_attempts, backoff_ms
                    (the last two stay in hot state, for hw_fail; not on the stream)
-            (one JSON argument rather than 10 per execution: packing thousands of
-            arguments a second was a tenth of the scheduler's time in a herd)
+            (one argument rather than 10 per execution: packing thousands of arguments
+            a second was a tenth of the scheduler's time in a herd; MessagePack
+            because cmsgpack unpacks it in a quarter less time than cjson does JSON)
 Writes each execution's hot state and XADDs it to P:{pool}:ready, unless
 that attempt (or a later one) was published already: republishing is a
 no-op, so a scheduler may retry a batch safely, and a done or canceled
@@ -65,9 +66,9 @@ local function hw_publish(keys, args)
   local base = keys[1]
   local ready = base .. ':ready'
   local added = 0
-  local ok, items = pcall(cjson.decode, args[1] or '')
+  local ok, items = pcall(cmsgpack.unpack, args[1] or '')
   if not ok or type(items) ~= 'table' or (#items == 0 and next(items) ~= nil) then
-    return redis.error_reply('ERR hw_publish takes one JSON array of executions')
+    return redis.error_reply('ERR hw_publish takes one MessagePack array of executions')
   end
   for _, x in ipairs(items) do
     if type(x) ~= 'table' or #x ~= PUBLISH_FIELDS then

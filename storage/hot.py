@@ -44,11 +44,11 @@ class ReadyExecution(msgspec.Struct, frozen=True, kw_only=True):
                 self.idempotency_key, str(self.max_attempts), str(self.backoff_ms)]
 
 
-_publish_encoder = msgspec.json.Encoder()
+_publish_encoder = msgspec.msgpack.Encoder()
 
 
 def publish_arg(items: list[ReadyExecution]) -> bytes:
-    """hw_publish's one argument: every execution's 10 strings, as a JSON array."""
+    """hw_publish's one argument: every execution's 10 strings, as a MessagePack array."""
     return _publish_encoder.encode([item.args() for item in items])
 
 

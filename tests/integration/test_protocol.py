@@ -14,6 +14,7 @@ import math
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -152,9 +153,10 @@ async def test_publish_carries_any_payload_text_exactly(hot, redis_client, key_p
     assert await hot.publish({POOL: [execution]}) == 0  # the same attempt again: a no-op
 
 
-async def test_publish_refuses_what_is_not_its_json(hot, redis_client, key_prefix) -> None:
+async def test_publish_refuses_what_is_not_its_msgpack(hot, redis_client, key_prefix) -> None:
     base = keys.pool_base(key_prefix, POOL)
-    for bad in ("not json", '[["only", "three", "strings"]]', '{"a": 1}'):
+    for bad in (b"\xc1", msgspec.msgpack.encode([["only", "three", "strings"]]),
+                msgspec.msgpack.encode({"a": 1}), msgspec.msgpack.encode("text")):
         with pytest.raises(aioredis.ResponseError, match="hw_publish"):
             await redis_client.fcall("hw_publish", 1, base, bad)
     assert await redis_client.exists(keys.ready_stream(key_prefix, POOL)) == 0
