@@ -177,17 +177,6 @@ def _resolve(future: asyncio.Future, reply: Any) -> None:
         future.set_result(reply)
 
 
-async def _all_settled(futures: list[asyncio.Future]) -> list[Any]:
-    """Replies (or their exceptions) of futures from one _Pipeline, in order.
-
-    The pipeline resolves futures in submission order, so once the last is
-    done every one is.
-    """
-    if futures:
-        await asyncio.wait((futures[-1],))
-    return [f.exception() or f.result() for f in futures]
-
-
 def _retrieve(future: asyncio.Future) -> None:
     """Done callback of a fire-and-forget call: its failure is logged, not left unretrieved."""
     if not future.cancelled() and (exc := future.exception()) is not None:
