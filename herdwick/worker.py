@@ -158,10 +158,13 @@ class _Pipeline:
                 for future in futures if isinstance(futures, list) else [futures]:
                     future.cancel()
             raise
-        for (_, futures), reply in zip(batch, replies, strict=True):
+        for (args, futures), reply in zip(batch, replies, strict=True):
             if isinstance(futures, list):
-                if isinstance(reply, Exception):
-                    reply = [reply] * len(futures)
+                if not isinstance(reply, list) or len(reply) != len(futures):
+                    # An error, or a library that is not ours: fail each item, never this task.
+                    error = reply if isinstance(reply, Exception) else \
+                        RedisError(f"{args[1]!r} replied {reply!r:.100}")
+                    reply = [error] * len(futures)
                 for future, element in zip(futures, reply, strict=True):
                     _resolve(future, element)
             else:
@@ -200,6 +203,8 @@ class _Calls:
         args = [a for m in messages for a in (m.execution_id, m.attempt)]
         replies = await self.pipeline.submit("FCALL", "hw_lease_batch", 1, self.base,
                                              self.worker_id, self.lease_arg, *args)
+        if not isinstance(replies, list) or len(replies) != len(messages):
+            raise RedisError(f"hw_lease_batch replied {replies!r:.100}")
         return [_until(r) for r in replies]
 
     def ack(self, message_ids: list) -> None:

@@ -485,3 +485,40 @@ async def test_a_failed_lease_call_leaves_the_batch_pending_until_it_works(
     finally:
         await client.aclose()
         server.stop()
+
+
+async def test_a_reply_out_of_contract_fails_that_call_not_the_worker(tmp_path: Path) -> None:
+    # A library that is not ours: hw_complete_batch answers a string, not one reply an item.
+    from herdwick.embedded import start_redis
+
+    server = start_redis(tmp_path)
+    client = aioredis.from_url(server.url)
+    try:
+        await client.function_load("\n".join([
+            "#!lua name=herdwick",
+            "redis.register_function('hw_lease_batch', function(keys, args)",
+            "  local r = {} for i = 3, #args, 2 do r[#r + 1] = 1 end return r end)",
+            "redis.register_function('hw_complete_batch', function(keys, args)",
+            "  return 'not an array' end)"]))
+        pool = Pool(client, "hwt:odd", server.url)
+        worker = pool.worker()
+        ran = asyncio.Queue()
+
+        @worker.handler
+        async def handle(ctx: herdwick.Context) -> None:
+            ran.put_nowait(ctx.execution_id)
+
+        async with running(worker):
+            for _ in range(2):  # the second is read, leased and run after the first's failure
+                execution = make_execution()
+                fields = {"execution_id": execution.execution_id, "attempt": "1",
+                          "job_id": execution.job_id, "tenant_id": execution.tenant_id,
+                          "scheduled_for": execution.scheduled_for,
+                          "payload": execution.payload, "timeout_seconds": "30",
+                          "idempotency_key": execution.idempotency_key}
+                await client.xadd(pool.ready, fields)
+                assert await asyncio.wait_for(ran.get(), WAIT_S) == execution.execution_id
+        assert worker._done.is_set()  # stopped cleanly: nothing waits on a dead pipeline
+    finally:
+        await client.aclose()
+        server.stop()
