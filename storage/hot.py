@@ -6,7 +6,7 @@ Nothing here mutates hot state itself: that is the functions' job.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from importlib.resources import files
 
 import msgspec
 import redis.asyncio as aioredis
@@ -17,7 +17,7 @@ from storage import keys
 
 log = logging.getLogger("herdwick.hot")
 
-LIBRARY_PATH = Path(__file__).resolve().parent.parent / "lua" / "herdwick.lua"
+LIBRARY = files("lua") / "herdwick.lua"  # package data: a wheel carries it
 PUBLISH_CHUNK = 500  # executions per FCALL: bounds the time one call holds the server
 
 
@@ -79,7 +79,7 @@ class HotTier:
     async def load_functions(self) -> None:
         """FUNCTION LOAD REPLACE: every process ships the same library, so the last wins."""
         try:
-            await self.client.function_load(LIBRARY_PATH.read_text(), replace=True)
+            await self.client.function_load(LIBRARY.read_text(), replace=True)
         except RedisError as exc:
             raise StorageUnavailable(f"redis: cannot load functions: {exc}") from exc
 

@@ -1,0 +1,1 @@
+"""Redis functions (herdwick.lua): a package only so that a wheel carries the library."""
