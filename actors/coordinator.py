@@ -97,11 +97,15 @@ class Coordinator(Actor):
         log.info("event=shards_released count=%d", len(extra))
 
     async def _claim(self, count: int, now: datetime | None) -> None:
-        for lease in await store.claim(self._db, self.node_id, count, LEASE_S, now):
+        claimed = await store.claim(self._db, self.node_id, count, LEASE_S, now)
+        for lease in claimed:
             self.leases[lease.shard_id] = lease.revision
             await self._shards.start(f"shard-{lease.shard_id}",
                                      self._factory(lease.shard_id, lease.revision))
-            log.info("event=shard_claimed shard=%d revision=%d", lease.shard_id, lease.revision)
+            log.debug("event=shard_claimed shard=%d revision=%d", lease.shard_id, lease.revision)
+        if claimed:  # one line a round at info: a node starts by claiming up to 256
+            log.info("event=shards_claimed count=%d held=%d shards=%s", len(claimed),
+                     len(self.leases), _ranges(sorted(lease.shard_id for lease in claimed)))
 
     def _factory(self, shard_id: int, revision: int) -> Callable[[], Actor]:
         return lambda: self._make_shard(shard_id, revision)
@@ -123,3 +127,14 @@ class Coordinator(Actor):
             await store.leave(self._db, self.node_id)
         except StorageUnavailable as exc:
             log.warning("event=release_failed error=%s", exc)
+
+
+def _ranges(ids: list[int]) -> str:
+    """Sorted shard ids as compact ranges: 0-85,170."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -115,3 +115,11 @@ async def test_a_sync_queued_behind_a_stop_is_answered() -> None:
         gate.set()
         await asyncio.wait_for(late.done.wait(), timeout=5)
         await sync(actor)  # a stopped actor: returns at once
+
+
+def test_claimed_shards_are_logged_as_ranges() -> None:
+    from actors.coordinator import _ranges
+
+    assert _ranges([0, 1, 2, 3, 5, 7, 8, 255]) == "0-3,5,7-8,255"
+    assert _ranges([4]) == "4"
+    assert _ranges([]) == ""
