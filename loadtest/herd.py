@@ -871,14 +871,24 @@ class BareRedis:
 
     @classmethod
     async def connect(cls, url: str) -> BareRedis:
+        """redis://[user:password@]host[:port][/db] or unix://[user:password@]/path[?db=N]."""
         parts = urllib.parse.urlsplit(url)
-        reader, writer = await asyncio.open_connection(parts.hostname or "127.0.0.1",
-                                                       parts.port or 6379)
+        if parts.scheme == "unix":  # the embedded server listens on a socket only
+            reader, writer = await asyncio.open_unix_connection(parts.path)
+            db = urllib.parse.parse_qs(parts.query).get("db", ["0"])[0]
+        else:
+            reader, writer = await asyncio.open_connection(parts.hostname or "127.0.0.1",
+                                                           parts.port or 6379)
+            db = parts.path.strip("/")
         conn = cls(reader, writer)
-        if parts.password:
-            await conn.pipeline([("AUTH", parts.username or "default", parts.password)])
-        if parts.path.strip("/") not in ("", "0"):
-            await conn.pipeline([("SELECT", parts.path.strip("/"))])
+        try:
+            if parts.password:
+                await conn.pipeline([("AUTH", parts.username or "default", parts.password)])
+            if db not in ("", "0"):
+                await conn.pipeline([("SELECT", db)])
+        except BaseException:
+            await conn.close()
+            raise
         return conn
 
     async def pipeline(self, commands: list[tuple]) -> list[object]:
