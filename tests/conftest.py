@@ -7,6 +7,10 @@ session (CREATE DATABASE ... TEMPLATE), and its own Redis key prefix.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
+import re
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -32,11 +36,40 @@ async def services() -> AsyncIterator[Services]:
         found.stop()
 
 
+# Test databases are named for the run that made them (host and pid), so that a run
+# that was killed (Ctrl-C, a timeout) leaves databases the next run can tell are orphans.
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]
+_OWNER = f"{_HOST}_{os.getpid()}"
+_OWNED = re.compile(r"^hw_(?:t|tpl)_([0-9a-f]{6})_(\d+)_[0-9a-f]+$")
+
+
+def _orphaned(name: str) -> bool:
+    """A test database of this host whose run is no longer alive."""
+    owned = _OWNED.match(name)
+    if owned is None or owned.group(1) != _HOST:
+        return False  # not ours to judge: another host's, or named before this scheme
+    try:
+        os.kill(int(owned.group(2)), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+async def _drop_orphans(admin: asyncpg.Connection) -> None:
+    names = await admin.fetch("SELECT datname FROM pg_database WHERE datname LIKE 'hw\\_%'")
+    for row in names:
+        if _orphaned(row["datname"]):
+            await admin.execute(f'DROP DATABASE IF EXISTS "{row["datname"]}" WITH (FORCE)')
+
+
 @pytest.fixture(scope="session")
 async def template_db(services: Services) -> AsyncIterator[str]:
-    name = f"hw_tpl_{uuid.uuid4().hex[:10]}"
+    name = f"hw_tpl_{_OWNER}_{uuid.uuid4().hex[:8]}"
     admin = await asyncpg.connect(services.admin_dsn)
     try:
+        await _drop_orphans(admin)
         await admin.execute(f'CREATE DATABASE "{name}"')
         await migrate.apply(with_database(services.admin_dsn, name))
         yield name
@@ -71,7 +104,7 @@ class DatabaseFactory:
 
     async def _produce(self) -> None:
         while True:
-            name = f"hw_t_{uuid.uuid4().hex[:12]}"
+            name = f"hw_t_{_OWNER}_{uuid.uuid4().hex[:8]}"
             await self._sql(f'CREATE DATABASE "{name}" TEMPLATE "{self._template}"')
             await self._ready.put(name)
 
