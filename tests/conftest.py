@@ -93,6 +93,7 @@ class DatabaseFactory:
         self._template = template
         self._ready: asyncio.Queue[str] = asyncio.Queue(maxsize=self.READY)
         self._tasks: set[asyncio.Task] = set()
+        self._creating: str | None = None  # the clone the producer is making, not yet queued
         self._producer = asyncio.create_task(self._produce())
 
     async def _sql(self, statement: str) -> None:
@@ -104,9 +105,10 @@ class DatabaseFactory:
 
     async def _produce(self) -> None:
         while True:
-            name = f"hw_t_{_OWNER}_{uuid.uuid4().hex[:8]}"
+            name = self._creating = f"hw_t_{_OWNER}_{uuid.uuid4().hex[:8]}"
             await self._sql(f'CREATE DATABASE "{name}" TEMPLATE "{self._template}"')
             await self._ready.put(name)
+            self._creating = None
 
     async def take(self) -> str:
         return await asyncio.wait_for(self._ready.get(), timeout=60)
@@ -119,6 +121,8 @@ class DatabaseFactory:
     async def close(self) -> None:
         self._producer.cancel()
         await asyncio.gather(self._producer, return_exceptions=True)
+        if self._creating is not None:  # cancelled while creating or queueing it
+            self.give_back(self._creating)
         while not self._ready.empty():
             self.give_back(self._ready.get_nowait())
         await asyncio.gather(*self._tasks, return_exceptions=True)
