@@ -1,10 +1,10 @@
 """The execution-event actor: workers' outcomes from every pool's events stream into Postgres.
 
 Reads `P:{pool}:events` in a consumer group (every scheduler node is one
-consumer, so nodes share the work), applies each batch in one transaction,
-and acks only after commit: a crash replays the batch rather than losing
-it, and every write is fenced by attempt and moves state only forward, so
-the replay changes nothing.
+consumer, so nodes share the work), applies each batch in one statement per
+lane (storage/executions.py), and acks only after commit: a crash replays
+the batch rather than losing it, and every write is fenced by attempt and
+moves state only forward, so the replay changes nothing.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRo
         if scheduled_for is None:
             scheduled_for = times[event.scheduled_for] = \
                 datetime.fromisoformat(event.scheduled_for)
-        _fold_attempt(attempts, event, scheduled_for)
+        error = _jsonb(event.error)
+        _fold_attempt(attempts, event, scheduled_for, error)
         state = _execution_state(event)
         if state is None:
             continue
@@ -103,11 +104,11 @@ def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRo
             current = updates[event.execution_id] = ExecutionUpdate(
                 execution_id=event.execution_id, scheduled_for=scheduled_for,
                 attempt=event.attempt, state=state, job_id=event.job_id)
-        _fold_update(current, event, state)
+        _fold_update(current, event, state, error)
     return list(updates.values()), list(attempts.values())
 
 
-def _fold_update(update: ExecutionUpdate, event: Event, state: str) -> None:
+def _fold_update(update: ExecutionUpdate, event: Event, state: str, error: str | None) -> None:
     update.state = state
     if event.type == "leased":
         update.lease_owner = event.worker_id
@@ -117,12 +118,13 @@ def _fold_update(update: ExecutionUpdate, event: Event, state: str) -> None:
         update.result = _jsonb(event.result)
         update.finished_ms = event.at_ms
     else:
-        update.error = _jsonb(event.error)
+        update.error = error
         update.finished_ms = event.at_ms
         update.retry_at = _at(event.retry_at_ms)
 
 
-def _fold_attempt(rows: dict, event: Event, scheduled_for: datetime) -> None:
+def _fold_attempt(rows: dict, event: Event, scheduled_for: datetime,
+                  error: str | None) -> None:
     key = (event.execution_id, event.attempt)
     row = rows.get(key)
     if row is None:
@@ -134,7 +136,7 @@ def _fold_attempt(rows: dict, event: Event, scheduled_for: datetime) -> None:
         row.started_ms = row.started_ms or event.at_ms
     else:
         row.finished_ms = event.at_ms
-        row.error = _jsonb(event.error) or row.error
+        row.error = error or row.error
 
 
 def next_after(now: datetime):
@@ -262,8 +264,8 @@ class ExecutionEvents(Actor):
 
     def _fold(self, events: list[Event]) -> _Folded:
         updates, attempts = collapse(events)
-        return _Folded(updates, attempts, None if self._db_now else self.clock.now(),
-                       self.clock.now())
+        now = self.clock.now()
+        return _Folded(updates, attempts, None if self._db_now else now, now)
 
     async def _commit(self, events: list[tuple[str, Event]], lanes: list[_Folded]) -> None:
         """Apply the lanes at once, then ack: a crash before the ack replays, harmlessly.
