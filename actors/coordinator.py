@@ -14,14 +14,14 @@ import logging
 from collections.abc import Callable
 from datetime import datetime
 
-from actors.base import Actor, Supervisor, Tick
-from actors.messages import LeaseLost
+from herdwick.actors.base import Actor, Supervisor, Tick
+from herdwick.actors.messages import LeaseLost
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
 from herdwick.ids import SHARD_COUNT
-from storage import leases as store
-from storage.db import Database
-from storage.leases import Lease
+from herdwick.storage import leases as store
+from herdwick.storage.db import Database
+from herdwick.storage.leases import Lease
 
 log = logging.getLogger("herdwick.coordinator")
 

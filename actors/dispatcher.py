@@ -21,17 +21,17 @@ from datetime import datetime
 
 import msgspec
 
-from actors.base import Actor
-from actors.messages import Due, LeaseLost, Publish
-from actors.shard import to_us
 from herdwick import schedule as sched
+from herdwick.actors.base import Actor
+from herdwick.actors.messages import Due, LeaseLost, Publish
+from herdwick.actors.shard import to_us
 from herdwick.clock import Clock
 from herdwick.ids import uuid7
 from herdwick.model import Schedule
-from storage import dispatch as store
-from storage.db import Database
-from storage.dispatch import Claimed, DueKey, NewExecution, NextDue, Plan, Retry
-from storage.hot import ReadyExecution
+from herdwick.storage import dispatch as store
+from herdwick.storage.db import Database
+from herdwick.storage.dispatch import Claimed, DueKey, NewExecution, NextDue, Plan, Retry
+from herdwick.storage.hot import ReadyExecution
 
 log = logging.getLogger("herdwick.dispatch")
 

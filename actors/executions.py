@@ -18,16 +18,16 @@ from typing import NamedTuple
 
 import msgspec
 
-from actors.base import Actor, Tick
 from herdwick import schedule as sched
+from herdwick.actors.base import Actor, Tick
 from herdwick.clock import Clock
 from herdwick.ids import shard_of
 from herdwick.model import Schedule
-from storage import executions as store
-from storage.db import Database
-from storage.executions import AttemptRow, ExecutionUpdate
-from storage.hot import HotTier
-from storage.protocol import Event, Protocol
+from herdwick.storage import executions as store
+from herdwick.storage.db import Database
+from herdwick.storage.executions import AttemptRow, ExecutionUpdate
+from herdwick.storage.hot import HotTier
+from herdwick.storage.protocol import Event, Protocol
 
 log = logging.getLogger("herdwick.executions")
 

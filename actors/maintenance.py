@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from actors.base import Actor, Tick
+from herdwick.actors.base import Actor, Tick
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
-from storage import maintenance as store
-from storage.db import Database
+from herdwick.storage import maintenance as store
+from herdwick.storage.db import Database
 
 log = logging.getLogger("herdwick.maintenance")
 

@@ -6,8 +6,8 @@ import asyncio
 
 import msgspec
 
-from storage.dispatch import DueKey
-from storage.hot import ReadyExecution
+from herdwick.storage.dispatch import DueKey
+from herdwick.storage.hot import ReadyExecution
 
 
 class NotifyDue(msgspec.Struct, frozen=True):

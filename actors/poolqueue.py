@@ -11,13 +11,13 @@ import asyncio
 import collections
 import logging
 
-from actors.base import Actor
-from actors.messages import Publish
-from actors.shard import to_us
+from herdwick.actors.base import Actor
+from herdwick.actors.messages import Publish
+from herdwick.actors.shard import to_us
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
 from herdwick.metrics import Histogram
-from storage.hot import HotTier, ReadyExecution
+from herdwick.storage.hot import HotTier, ReadyExecution
 
 log = logging.getLogger("herdwick.poolqueue")
 

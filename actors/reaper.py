@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 
-from actors.base import Actor, Tick
+from herdwick.actors.base import Actor, Tick
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
-from storage.hot import HotTier
-from storage.protocol import Protocol
+from herdwick.storage.hot import HotTier
+from herdwick.storage.protocol import Protocol
 
 log = logging.getLogger("herdwick.reaper")
 

@@ -20,27 +20,27 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from actors.base import Supervisor, Tick, every, sync
-from actors.coordinator import RENEW_INTERVAL_S, Coordinator
-from actors.dispatcher import DispatchActor
-from actors.executions import ExecutionEvents
-from actors.maintenance import INTERVAL_S as MAINTENANCE_INTERVAL_S
-from actors.maintenance import Maintenance
-from actors.messages import LeaseLost, NotifyDue, Publish
-from actors.poolqueue import PoolQueue
-from actors.reaper import INTERVAL_S as REAPER_INTERVAL_S
-from actors.reaper import Reaper
-from actors.shard import ShardActor
-from actors.sweeper import INTERVAL_S as SWEEPER_INTERVAL_S
-from actors.sweeper import Sweeper
+from herdwick.actors.base import Supervisor, Tick, every, sync
+from herdwick.actors.coordinator import RENEW_INTERVAL_S, Coordinator
+from herdwick.actors.dispatcher import DispatchActor
+from herdwick.actors.executions import ExecutionEvents
+from herdwick.actors.maintenance import INTERVAL_S as MAINTENANCE_INTERVAL_S
+from herdwick.actors.maintenance import Maintenance
+from herdwick.actors.messages import LeaseLost, NotifyDue, Publish
+from herdwick.actors.poolqueue import PoolQueue
+from herdwick.actors.reaper import INTERVAL_S as REAPER_INTERVAL_S
+from herdwick.actors.reaper import Reaper
+from herdwick.actors.shard import ShardActor
+from herdwick.actors.sweeper import INTERVAL_S as SWEEPER_INTERVAL_S
+from herdwick.actors.sweeper import Sweeper
 from herdwick.clock import Clock, SystemClock
 from herdwick.config import Settings
 from herdwick.errors import StorageUnavailable
 from herdwick.metrics import Histogram
-from storage import keys, migrate
-from storage.db import Database
-from storage.hot import HotTier, decode_notify
-from storage.protocol import Protocol
+from herdwick.storage import keys, migrate
+from herdwick.storage.db import Database
+from herdwick.storage.hot import HotTier, decode_notify
+from herdwick.storage.protocol import Protocol
 
 log = logging.getLogger("herdwick.scheduler")
 

@@ -21,12 +21,12 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from actors.base import Actor, Tick
-from actors.messages import Due, NotifyDue
+from herdwick.actors.base import Actor, Tick
+from herdwick.actors.messages import Due, NotifyDue
 from herdwick.clock import Clock
-from storage import dispatch as store
-from storage.db import Database
-from storage.dispatch import DueKey, DueRow
+from herdwick.storage import dispatch as store
+from herdwick.storage.db import Database
+from herdwick.storage.dispatch import DueKey, DueRow
 
 log = logging.getLogger("herdwick.shard")
 

@@ -15,15 +15,15 @@ import logging
 import uuid
 from datetime import timedelta
 
-from actors.base import Actor, Tick
-from actors.messages import Publish
-from actors.shard import to_us
 from herdwick import schedule as sched
+from herdwick.actors.base import Actor, Tick
+from herdwick.actors.messages import Publish
+from herdwick.actors.shard import to_us
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
-from storage import sweep as store
-from storage.db import Database
-from storage.hot import HotTier, ReadyExecution
+from herdwick.storage import sweep as store
+from herdwick.storage.db import Database
+from herdwick.storage.hot import HotTier, ReadyExecution
 
 log = logging.getLogger("herdwick.sweeper")
 

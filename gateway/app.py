@@ -9,18 +9,18 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.context import CTX, Ctx
-from gateway.jobs import BATCH_BODY_CAP
-from gateway.notify import canceller, notifier
-from gateway.openapi import DOCUMENT, document, openapi
-from gateway.problems import problem_middleware
-from gateway.routes import register
 from herdwick.clock import Clock, SystemClock
 from herdwick.config import Settings
-from storage import migrate
-from storage.db import Database
-from storage.hot import HotTier
-from storage.protocol import Protocol
+from herdwick.gateway.context import CTX, Ctx
+from herdwick.gateway.jobs import BATCH_BODY_CAP
+from herdwick.gateway.notify import canceller, notifier
+from herdwick.gateway.openapi import DOCUMENT, document, openapi
+from herdwick.gateway.problems import problem_middleware
+from herdwick.gateway.routes import register
+from herdwick.storage import migrate
+from herdwick.storage.db import Database
+from herdwick.storage.hot import HotTier
+from herdwick.storage.protocol import Protocol
 
 log = logging.getLogger("herdwick.gateway")
 

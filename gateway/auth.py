@@ -6,10 +6,10 @@ import time
 
 from aiohttp import web
 
-from gateway.problems import HttpProblem
 from herdwick.credentials import hash_api_key, same_secret
-from storage.db import Database
-from storage.tenants import KeyOwner, owner_of_key
+from herdwick.gateway.problems import HttpProblem
+from herdwick.storage.db import Database
+from herdwick.storage.tenants import KeyOwner, owner_of_key
 
 CACHE_TTL_S = 5.0  # a revoked key or a changed quota is seen within this long
 CACHE_MAX = 10_000

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.problems import HttpProblem
+from herdwick.gateway.problems import HttpProblem
 
 _JSON_TYPES = ("application/json", "")
 

@@ -10,12 +10,12 @@ from datetime import datetime
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.auth import KeyCache
-from gateway.submit import Network
 from herdwick.clock import Clock
 from herdwick.config import Settings
-from storage.db import Database
-from storage.jobs import NewJob
+from herdwick.gateway.auth import KeyCache
+from herdwick.gateway.submit import Network
+from herdwick.storage.db import Database
+from herdwick.storage.jobs import NewJob
 
 
 async def _nothing(due: list[tuple[int, uuid.UUID, datetime]]) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.problems import bad_field, from_validation_error, invalid
+from herdwick.gateway.problems import bad_field, from_validation_error, invalid
 from herdwick.model import FieldError
 
 MAX_DEPTH_MESSAGE = "nested too deeply"

@@ -6,15 +6,15 @@ import uuid
 
 from aiohttp import web
 
-from gateway import params
-from gateway.auth import tenant_of
-from gateway.context import Ctx
-from gateway.jobs import job_id_of
-from gateway.params import json_response, path_uuid
+from herdwick.gateway import params
+from herdwick.gateway.auth import tenant_of
+from herdwick.gateway.context import Ctx
+from herdwick.gateway.jobs import job_id_of
+from herdwick.gateway.params import json_response, path_uuid
 from herdwick.ids import shard_of
 from herdwick.model import ExecutionPage, Triggered
-from storage import history as store
-from storage import jobs as job_store
+from herdwick.storage import history as store
+from herdwick.storage import jobs as job_store
 
 
 def _execution_id(request: web.Request) -> uuid.UUID:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from gateway.context import Ctx
 from herdwick.errors import StorageUnavailable
+from herdwick.gateway.context import Ctx
 
 
 class Health(msgspec.Struct, kw_only=True):

@@ -8,16 +8,16 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from gateway import params
-from gateway.auth import tenant_of
-from gateway.body import read_json_body
-from gateway.context import Ctx
-from gateway.decoding import decode, decode_collecting
-from gateway.params import json_response, path_uuid
-from gateway.problems import bad_field, invalid
-from gateway.submit import HERD_WARN_JOBS, HTTP_POOL, herd_second, herd_warning, prepare
 from herdwick import schedule as sched
 from herdwick.errors import Conflict, IdempotencyKeyReused, InvalidInput
+from herdwick.gateway import params
+from herdwick.gateway.auth import tenant_of
+from herdwick.gateway.body import read_json_body
+from herdwick.gateway.context import Ctx
+from herdwick.gateway.decoding import decode, decode_collecting
+from herdwick.gateway.params import json_response, path_uuid
+from herdwick.gateway.problems import bad_field, invalid
+from herdwick.gateway.submit import HERD_WARN_JOBS, HTTP_POOL, herd_second, herd_warning, prepare
 from herdwick.ids import shard_of
 from herdwick.model import (
     JOB_STATES,
@@ -32,8 +32,8 @@ from herdwick.model import (
     JobSpec,
     Schedule,
 )
-from storage import jobs as store
-from storage.jobs import NewIdempotency, NewJob, Transition
+from herdwick.storage import jobs as store
+from herdwick.storage.jobs import NewIdempotency, NewJob, Transition
 
 SINGLE_BODY_CAP = MAX_PAYLOAD_BYTES + 64 * 1024
 BATCH_BODY_CAP = 16 * 1024 * 1024

@@ -16,8 +16,8 @@ from redis.exceptions import RedisError
 
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
-from storage.hot import HotTier, NotifyMessage
-from storage.protocol import Protocol
+from herdwick.storage.hot import HotTier, NotifyMessage
+from herdwick.storage.protocol import Protocol
 
 log = logging.getLogger("herdwick.gateway")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from gateway.routes import _PARAM, ROUTES, Route
+from herdwick.gateway.routes import _PARAM, ROUTES, Route
 from herdwick.model import Problem
 
 _REF = "#/components/schemas/{name}"

@@ -9,7 +9,7 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from gateway.problems import bad_field
+from herdwick.gateway.problems import bad_field
 from herdwick.model import LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ from typing import Literal, NamedTuple
 
 from aiohttp import web
 
-from gateway import executions, health, jobs, tenants
+from herdwick.gateway import executions, health, jobs, tenants
 from herdwick.model import (
     BatchCreated,
     Execution,

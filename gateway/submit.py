@@ -17,7 +17,7 @@ import msgspec
 from herdwick import schedule as sched
 from herdwick.ids import shard_of, uuid7
 from herdwick.model import MAX_PAYLOAD_BYTES, FieldError, JobSpec, Schedule
-from storage.jobs import NewJob
+from herdwick.storage.jobs import NewJob
 
 QUEUE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 HTTP_POOL = "http"

@@ -7,14 +7,14 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from gateway.auth import require_admin
-from gateway.body import read_json_body
-from gateway.context import Ctx
-from gateway.decoding import decode
-from gateway.params import json_response, path_uuid
-from gateway.problems import bad_field
+from herdwick.gateway.auth import require_admin
+from herdwick.gateway.body import read_json_body
+from herdwick.gateway.context import Ctx
+from herdwick.gateway.decoding import decode
+from herdwick.gateway.params import json_response, path_uuid
+from herdwick.gateway.problems import bad_field
 from herdwick.model import SigningSecret, TenantPatch, TenantSpec
-from storage import tenants as store
+from herdwick.storage import tenants as store
 
 BODY_CAP = 16 * 1024
 _spec_decoder = msgspec.json.Decoder(TenantSpec)

@@ -106,7 +106,7 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
                     "background), runs `herdwick scheduler` processes and no-op stream "
                     "consumers, and reports dispatch lag, throughput, CPU and memory beside "
                     "this machine's raw limits for the same work.")
-    from loadtest.herd import add_arguments as herd_arguments
+    from herdwick.loadtest.herd import add_arguments as herd_arguments
 
     herd_arguments(herd)
     e2e = actions.add_parser(
@@ -116,7 +116,7 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
                     "with a no-op handler; reports the time until every execution "
                     "succeeded in Postgres, due->lease lag, the events and ready streams' "
                     "backlog, and Postgres transactions and Redis commands per execution.")
-    from loadtest.e2e import add_arguments as e2e_arguments
+    from herdwick.loadtest.e2e import add_arguments as e2e_arguments
 
     e2e_arguments(e2e)
 
@@ -181,7 +181,7 @@ def cmd_cron(args: argparse.Namespace) -> int:
 
 
 async def _migrate(settings: Settings) -> int:
-    from storage import migrate
+    from herdwick.storage import migrate
 
     applied = await migrate.apply(settings.database_url)
     for m in applied:
@@ -195,8 +195,8 @@ async def _tenant_create(settings: Settings, args: argparse.Namespace) -> int:
 
     from herdwick.clock import SystemClock
     from herdwick.model import TenantSpec
-    from storage.db import Database
-    from storage.tenants import create_tenant
+    from herdwick.storage.db import Database
+    from herdwick.storage.tenants import create_tenant
 
     try:
         spec = msgspec.convert({"name": args.name, "weight": args.weight,
@@ -218,7 +218,7 @@ async def _tenant_create(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _api(settings: Settings) -> int:
-    from gateway.app import create_app, serve
+    from herdwick.gateway.app import create_app, serve
 
     stop = asyncio.Event()
     _stop_on_signals(stop)
@@ -228,11 +228,11 @@ async def _api(settings: Settings) -> int:
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
     if args.loadtest_command == "submit":
-        from loadtest import submit as action
+        from herdwick.loadtest import submit as action
     elif args.loadtest_command == "e2e":
-        from loadtest import e2e as action
+        from herdwick.loadtest import e2e as action
     else:
-        from loadtest import herd as action
+        from herdwick.loadtest import herd as action
     try:
         return _run(action.command(args))
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -241,7 +241,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 async def _scheduler(settings: Settings) -> int:
-    from actors.scheduler import Scheduler
+    from herdwick.actors.scheduler import Scheduler
 
     stop = asyncio.Event()
     _stop_on_signals(stop)

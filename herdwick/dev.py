@@ -63,11 +63,11 @@ def _banner(settings: Settings, tenant_id: object, api_key: str) -> str:
 
 
 async def run_dev(settings: Settings, stop: asyncio.Event) -> int:
-    from actors.scheduler import Scheduler
-    from gateway.app import create_app, serve
-    from storage import migrate
-    from storage.db import Database
-    from storage.tenants import issue_key_for
+    from herdwick.actors.scheduler import Scheduler
+    from herdwick.gateway.app import create_app, serve
+    from herdwick.storage import migrate
+    from herdwick.storage.db import Database
+    from herdwick.storage.tenants import issue_key_for
 
     with contextlib.ExitStack() as stack:
         settings = await _embedded(settings, stack)

@@ -36,7 +36,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from storage import keys
+from herdwick.storage import keys
 
 log = logging.getLogger("herdwick.worker")
 

@@ -31,8 +31,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from herdwick.config import ConfigError
-from loadtest.common import require_loopback
-from loadtest.herd import (
+from herdwick.loadtest.common import require_loopback
+from herdwick.loadtest.herd import (
     PARK_AHEAD,
     Background,
     JobFactory,
@@ -54,9 +54,9 @@ from loadtest.herd import (
     scratch_database,
     tenant_counts,
 )
-from storage import keys
-from storage.db import Database
-from storage.hot import HotTier
+from herdwick.storage import keys
+from herdwick.storage.db import Database
+from herdwick.storage.hot import HotTier
 
 POLL_S = 0.1
 # Until the workers' group has been delivered every job, none can have succeeded
@@ -169,7 +169,7 @@ async def worker_processes(count: int, redis_url: str, prefix: str, pool: str,
     env = {**os.environ, "HW_E2E_REDIS_URL": redis_url, "HW_E2E_PREFIX": prefix,
            "HW_E2E_POOL": pool, "HW_E2E_CONCURRENCY": str(concurrency)}
     procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "herdwick.cli", "worker", "loadtest.noop_worker:worker",
+        sys.executable, "-m", "herdwick.cli", "worker", "herdwick.loadtest.noop_worker:worker",
         env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         for _ in range(count)]
     try:

@@ -52,22 +52,22 @@ import psutil
 import redis.asyncio as aioredis
 from msgspec import Meta
 
-from actors.shard import ShardActor, entry, to_us
-from gateway.submit import prepare
 from herdwick import schedule as sched
+from herdwick.actors.shard import ShardActor, entry, to_us
 from herdwick.clock import SystemClock
 from herdwick.config import ConfigError
 from herdwick.errors import HerdwickError
+from herdwick.gateway.submit import prepare
 from herdwick.ids import SHARD_COUNT, shard_of, uuid7
+from herdwick.loadtest.common import Child, require_loopback, with_database
 from herdwick.model import JobSpec, Schedule, Target, TenantSpec
-from loadtest.common import Child, require_loopback, with_database
-from storage import dispatch as dispatch_store
-from storage import keys, leases, migrate
-from storage.db import Database
-from storage.dispatch import Claimed, Dispatched, DueKey, NewExecution
-from storage.hot import PUBLISH_CHUNK, HotTier, NotifyMessage, ReadyExecution, publish_arg
-from storage.jobs import NewJob, due_minute, insert_jobs
-from storage.tenants import create_tenant
+from herdwick.storage import dispatch as dispatch_store
+from herdwick.storage import keys, leases, migrate
+from herdwick.storage.db import Database
+from herdwick.storage.dispatch import Claimed, Dispatched, DueKey, NewExecution
+from herdwick.storage.hot import PUBLISH_CHUNK, HotTier, NotifyMessage, ReadyExecution, publish_arg
+from herdwick.storage.jobs import NewJob, due_minute, insert_jobs
+from herdwick.storage.tenants import create_tenant
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

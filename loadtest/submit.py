@@ -45,17 +45,17 @@ import msgspec
 import psutil
 from msgspec import Meta
 
-from gateway.submit import HERD_WARN_JOBS, herd_second, prepare
 from herdwick.config import ConfigError
 from herdwick.errors import HerdwickError
+from herdwick.gateway.submit import HERD_WARN_JOBS, herd_second, prepare
 from herdwick.ids import shard_of, uuid7
+from herdwick.loadtest.common import Child, require_loopback, with_database
 from herdwick.model import MAX_BATCH_JOBS, JobSpec, TenantSpec
-from loadtest.common import Child, require_loopback, with_database
-from storage import jobs as store
-from storage import migrate
-from storage.db import Database
-from storage.jobs import NewJob
-from storage.tenants import create_tenant
+from herdwick.storage import jobs as store
+from herdwick.storage import migrate
+from herdwick.storage.db import Database
+from herdwick.storage.jobs import NewJob
+from herdwick.storage.tenants import create_tenant
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

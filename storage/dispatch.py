@@ -8,9 +8,9 @@ from datetime import datetime
 
 import msgspec
 
-from storage.db import Database, retrying
-from storage.jobs import due_minute
-from storage.sql import q
+from herdwick.storage.db import Database, retrying
+from herdwick.storage.jobs import due_minute
+from herdwick.storage.sql import q
 
 LOAD_LIMIT = 50_000
 

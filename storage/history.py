@@ -13,11 +13,11 @@ import msgspec
 from herdwick.errors import Conflict, NotFound
 from herdwick.ids import shard_of, uuid7
 from herdwick.model import Attempt, Execution, ExecutionSummary
-from storage.db import Database
-from storage.jobs import decode_cursor as decode_id_cursor  # noqa: F401 - the API's twin
-from storage.jobs import due_minute
-from storage.jobs import encode_cursor as id_cursor
-from storage.sql import q
+from herdwick.storage.db import Database
+from herdwick.storage.jobs import decode_cursor as decode_id_cursor  # noqa: F401 - the API's twin
+from herdwick.storage.jobs import due_minute
+from herdwick.storage.jobs import encode_cursor as id_cursor
+from herdwick.storage.sql import q
 
 _EXEC_CURSOR = "e1."
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -13,11 +13,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from herdwick.errors import StorageUnavailable
-from storage import keys
+from herdwick.storage import keys
 
 log = logging.getLogger("herdwick.hot")
 
-LIBRARY = files("lua") / "herdwick.lua"  # package data: a wheel carries it
+LIBRARY = files("herdwick.lua") / "herdwick.lua"  # package data: a wheel carries it
 PUBLISH_CHUNK = 500  # executions per FCALL: bounds the time one call holds the server
 
 

@@ -12,8 +12,8 @@ import msgspec
 
 from herdwick.errors import NotFound, QuotaExceeded
 from herdwick.model import Job, RetryPolicy, Schedule, ScheduleOut, Target
-from storage.db import Database, retrying
-from storage.sql import q
+from herdwick.storage.db import Database, retrying
+from herdwick.storage.sql import q
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
 QUOTA_RETRY_AFTER_S = 60

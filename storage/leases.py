@@ -10,8 +10,8 @@ from datetime import datetime
 
 import msgspec
 
-from storage.db import Database
-from storage.sql import q
+from herdwick.storage.db import Database
+from herdwick.storage.sql import q
 
 
 class Lease(msgspec.Struct, frozen=True):

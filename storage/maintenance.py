@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import date, datetime
 
-from storage.db import Database
-from storage.sql import q
+from herdwick.storage.db import Database
+from herdwick.storage.sql import q
 
 
 async def ensure_partitions(db: Database, first_day: date, days: int) -> int:

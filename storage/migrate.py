@@ -15,8 +15,8 @@ import asyncpg
 import msgspec
 
 from herdwick.errors import SchemaOutOfDate
-from storage.db import translated
-from storage.sql import q
+from herdwick.storage.db import translated
+from herdwick.storage.sql import q
 
 log = logging.getLogger("herdwick.migrate")
 

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from herdwick.errors import HerdwickError, StorageUnavailable
-from storage import keys
+from herdwick.storage import keys
 
 LEASE_LOST = "LEASE_LOST"
 DEAD: Literal["DEAD"] = "DEAD"

@@ -7,8 +7,8 @@ from datetime import datetime
 
 import msgspec
 
-from storage.db import Database
-from storage.sql import q
+from herdwick.storage.db import Database
+from herdwick.storage.sql import q
 
 
 class Unfinished(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,8 +12,8 @@ from herdwick.credentials import hash_api_key, new_api_key, new_signing_secret, 
 from herdwick.errors import NotFound
 from herdwick.ids import uuid7
 from herdwick.model import Tenant, TenantCreated, TenantPatch, TenantSpec
-from storage.db import Database
-from storage.sql import q
+from herdwick.storage.db import Database
+from herdwick.storage.sql import q
 
 
 class KeyOwner(msgspec.Struct, frozen=True):

@@ -20,8 +20,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from herdwick.clock import ManualClock
-from storage import migrate
-from storage.db import Database
+from herdwick.storage import migrate
+from herdwick.storage.db import Database
 from tests.services import Services, with_database
 
 T0 = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)

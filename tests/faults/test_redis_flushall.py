@@ -31,8 +31,8 @@ import pytest
 import redis.asyncio as aioredis
 
 import herdwick
-from actors.base import Tick, sync
-from actors.scheduler import Scheduler
+from herdwick.actors.base import Tick, sync
+from herdwick.actors.scheduler import Scheduler
 from herdwick.clock import ManualClock
 from herdwick.config import Settings
 from herdwick.embedded import EmbeddedService, start_redis

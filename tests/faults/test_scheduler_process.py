@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from actors.base import Tick, sync
-from actors.scheduler import Scheduler
+from herdwick.actors.base import Tick, sync
+from herdwick.actors.scheduler import Scheduler
 from herdwick.clock import ManualClock
 from herdwick.config import Settings
 

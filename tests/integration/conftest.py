@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 from aiohttp.test_utils import TestClient
 
-from actors.scheduler import Scheduler
+from herdwick.actors.scheduler import Scheduler
 from herdwick.config import Settings
 from tests.integration.gateway_client import ADMIN_TOKEN, start_client
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import create_app
 from herdwick.config import Settings
+from herdwick.gateway.app import create_app
 
 ADMIN_TOKEN = "test-admin-token-0123456789"
 

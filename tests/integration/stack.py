@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from actors.base import Tick, sync
-from actors.scheduler import Scheduler
-from storage import keys
+from herdwick.actors.base import Tick, sync
+from herdwick.actors.scheduler import Scheduler
+from herdwick.storage import keys
 from tests.integration.conftest import Api, make_job
 
 

@@ -10,12 +10,12 @@ import random
 import uuid
 from datetime import timedelta
 
-from actors.dispatcher import plan
+from herdwick.actors.dispatcher import plan
 from herdwick.ids import shard_of
-from storage import dispatch, executions, leases
-from storage.dispatch import DueKey
-from storage.executions import ExecutionUpdate
-from storage.sql import q
+from herdwick.storage import dispatch, executions, leases
+from herdwick.storage.dispatch import DueKey
+from herdwick.storage.executions import ExecutionUpdate
+from herdwick.storage.sql import q
 from tests.conftest import T0
 from tests.integration.conftest import Api, make_job
 

@@ -15,8 +15,8 @@ import msgspec
 import pytest
 
 from herdwick.clock import ManualClock
-from storage import keys
-from storage.protocol import Protocol
+from herdwick.storage import keys
+from herdwick.storage.protocol import Protocol
 from tests.integration.conftest import Api
 from tests.integration.stack import advance, ready, submit
 
@@ -215,9 +215,9 @@ async def test_a_permanent_failure_dead_letters_at_once(api, schedulers, protoco
 async def test_replaying_a_batch_of_events_changes_nothing(api, schedulers, protocol,
                                                            redis_client, key_prefix, clock,
                                                            db) -> None:
-    from actors.executions import GROUP, collapse
+    from herdwick.actors.executions import GROUP, collapse
     from herdwick.ids import shard_of
-    from storage import executions as store
+    from herdwick.storage import executions as store
 
     await submit(api, schedule={"delaySeconds": 1})
     node = await schedulers()
@@ -484,7 +484,7 @@ async def test_history_is_newest_first_and_keyset_paginated(api, schedulers, red
 
 async def test_a_dead_nodes_unapplied_events_are_claimed_and_applied(
         api, schedulers, protocol, redis_client, key_prefix, clock, db) -> None:
-    from actors.executions import GROUP, STALE_MS
+    from herdwick.actors.executions import GROUP, STALE_MS
 
     await submit(api, schedule={"delaySeconds": 1})
     node = await schedulers()

@@ -12,10 +12,10 @@ import asyncio
 
 import pytest
 
-from actors.base import Tick, sync
-from storage import keys
-from storage.hot import HotTier, ReadyExecution
-from storage.protocol import Protocol
+from herdwick.actors.base import Tick, sync
+from herdwick.storage import keys
+from herdwick.storage.hot import HotTier, ReadyExecution
+from herdwick.storage.protocol import Protocol
 
 POOL = "emails"
 

@@ -8,8 +8,8 @@ import argparse
 import msgspec
 import pytest
 
-from loadtest import e2e
-from loadtest.herd import Progress
+from herdwick.loadtest import e2e
+from herdwick.loadtest.herd import Progress
 
 pytestmark = pytest.mark.slow
 

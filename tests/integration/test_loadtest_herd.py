@@ -14,8 +14,8 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from loadtest import herd
-from loadtest.herd import Lag, Options, Plan, Progress, Report
+from herdwick.loadtest import herd
+from herdwick.loadtest.herd import Lag, Options, Plan, Progress, Report
 
 pytestmark = pytest.mark.slow
 

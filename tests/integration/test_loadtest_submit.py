@@ -18,7 +18,7 @@ import pytest
 
 from herdwick.cli import main
 from herdwick.config import ConfigError
-from loadtest.submit import (
+from herdwick.loadtest.submit import (
     PHASES,
     CpuProbe,
     HttpTarget,

@@ -9,7 +9,7 @@ import asyncpg
 import pytest
 
 from herdwick.errors import SchemaOutOfDate
-from storage import migrate
+from herdwick.storage import migrate
 from tests.services import Services, with_database
 
 EXPECTED_TABLES = {

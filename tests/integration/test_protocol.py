@@ -18,9 +18,9 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from storage import keys
-from storage.hot import HotTier, ReadyExecution
-from storage.protocol import DEAD, Event, Protocol
+from herdwick.storage import keys
+from herdwick.storage.hot import HotTier, ReadyExecution
+from herdwick.storage.protocol import DEAD, Event, Protocol
 
 POOL = "emails"
 GROUP = "scheduler"

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from actors.base import sync
+from herdwick.actors.base import sync
 from herdwick.ids import shard_of
 from tests.conftest import T0
 from tests.integration.conftest import make_job
@@ -216,8 +216,8 @@ class _HeldDispatcher:
 
 
 async def test_a_shard_defers_its_loads_while_its_batches_wait_for_dispatch(clock, db) -> None:
-    from actors.base import Tick
-    from actors.shard import DEFER_POLL_S, LOAD_INTERVAL_S, MAX_DEFER_S, ShardActor
+    from herdwick.actors.base import Tick
+    from herdwick.actors.shard import DEFER_POLL_S, LOAD_INTERVAL_S, MAX_DEFER_S, ShardActor
 
     async def due_row(seconds: float) -> None:
         when = clock.now() + timedelta(seconds=seconds)

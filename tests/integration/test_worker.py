@@ -23,8 +23,8 @@ import pytest
 import redis.asyncio as aioredis
 
 import herdwick
-from storage import keys
-from storage.hot import HotTier, ReadyExecution
+from herdwick.storage import keys
+from herdwick.storage.hot import HotTier, ReadyExecution
 from tests.services import Services
 
 POOL = "emails"

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from actors.base import Actor, Supervisor, Tick, sync
+from herdwick.actors.base import Actor, Supervisor, Tick, sync
 
 
 class Recorder(Actor):
@@ -103,7 +103,7 @@ async def test_stop_lets_the_message_in_hand_finish() -> None:
 
 
 async def test_a_sync_queued_behind_a_stop_is_answered() -> None:
-    from actors.base import Stop, Sync
+    from herdwick.actors.base import Stop, Sync
 
     gate = asyncio.Event()
     async with Supervisor() as sup:
@@ -118,7 +118,7 @@ async def test_a_sync_queued_behind_a_stop_is_answered() -> None:
 
 
 def test_claimed_shards_are_logged_as_ranges() -> None:
-    from actors.coordinator import _ranges
+    from herdwick.actors.coordinator import _ranges
 
     assert _ranges([0, 1, 2, 3, 5, 7, 8, 255]) == "0-3,5,7-8,255"
     assert _ranges([4]) == "4"
