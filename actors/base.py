@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import random
 from collections.abc import Awaitable, Callable
 
 import msgspec
 
+from herdwick import logs
 from herdwick.clock import Clock, SystemClock
 
-log = logging.getLogger("herdwick.actors")
+log = logs.get("herdwick.actors")
 
 MAILBOX_SIZE = 1024
 RESTART_BACKOFF_S = (0.1, 0.5, 2.0, 5.0)
@@ -200,8 +200,7 @@ class Supervisor:
                 raise
             except Exception:
                 delay = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
-                log.exception("event=actor_crashed actor=%s restart=%s delay_s=%.1f",
-                              key, restart, delay)
+                log.exception("actor_crashed", actor=key, restart=restart, delay_s=delay)
                 if not restart:
                     return
                 failures += 1

@@ -10,10 +10,10 @@ claim bumps the shard's revision, the fencing token its dispatches carry.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from datetime import datetime
 
+from herdwick import logs
 from herdwick.actors.base import Actor, Supervisor, Tick
 from herdwick.actors.messages import LeaseLost
 from herdwick.clock import Clock
@@ -23,7 +23,7 @@ from herdwick.storage import leases as store
 from herdwick.storage.db import Database
 from herdwick.storage.leases import Lease
 
-log = logging.getLogger("herdwick.coordinator")
+log = logs.get("herdwick.coordinator")
 
 LEASE_S = 10.0
 RENEW_INTERVAL_S = 3.0
@@ -72,7 +72,7 @@ class Coordinator(Actor):
             await self._renew(now)
             live = await store.live_nodes(self._db, now, NODE_TTL_S)
         except StorageUnavailable as exc:
-            log.warning("event=coordinator_unavailable error=%s held=%d", exc, len(self.leases))
+            log.warning("coordinator_unavailable", error=exc, held=len(self.leases))
             await self._step_down(set(self.leases))
             return
         share = fair_share(self.node_id, live)
@@ -86,7 +86,7 @@ class Coordinator(Actor):
         kept = await store.renew(self._db, self.node_id, held, LEASE_S, now)
         lost = set(self.leases) - kept
         if lost:
-            log.warning("event=shards_lost shards=%s", sorted(lost))
+            log.warning("shards_lost", shards=sorted(lost))
             await self._step_down(lost)
 
     async def _give_back(self, count: int) -> None:
@@ -94,7 +94,7 @@ class Coordinator(Actor):
         leases = [Lease(s, self.leases[s]) for s in extra]
         await self._stop_shards(extra)
         await store.release(self._db, self.node_id, leases)
-        log.info("event=shards_released count=%d", len(extra))
+        log.info("shards_released", count=len(extra))
 
     async def _claim(self, count: int, now: datetime | None) -> None:
         claimed = await store.claim(self._db, self.node_id, count, LEASE_S, now)
@@ -102,10 +102,10 @@ class Coordinator(Actor):
             self.leases[lease.shard_id] = lease.revision
             await self._shards.start(f"shard-{lease.shard_id}",
                                      self._factory(lease.shard_id, lease.revision))
-            log.debug("event=shard_claimed shard=%d revision=%d", lease.shard_id, lease.revision)
+            log.debug("shard_claimed", shard=lease.shard_id, revision=lease.revision)
         if claimed:  # one line a round at info: a node starts by claiming up to 256
-            log.info("event=shards_claimed count=%d held=%d shards=%s", len(claimed),
-                     len(self.leases), _ranges(sorted(lease.shard_id for lease in claimed)))
+            log.info("shards_claimed", count=len(claimed), held=len(self.leases),
+                     shards=_ranges(sorted(lease.shard_id for lease in claimed)))
 
     def _factory(self, shard_id: int, revision: int) -> Callable[[], Actor]:
         return lambda: self._make_shard(shard_id, revision)
@@ -126,7 +126,7 @@ class Coordinator(Actor):
             await store.release(self._db, self.node_id, leases)
             await store.leave(self._db, self.node_id)
         except StorageUnavailable as exc:
-            log.warning("event=release_failed error=%s", exc)
+            log.warning("release_failed", error=exc)
 
 
 def _ranges(ids: list[int]) -> str:

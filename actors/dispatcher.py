@@ -14,13 +14,13 @@ one process dispatch a herd at tens of thousands a second.
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 import msgspec
 
+from herdwick import logs
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor
 from herdwick.actors.messages import Due, LeaseLost, Publish
@@ -33,7 +33,7 @@ from herdwick.storage.db import Database
 from herdwick.storage.dispatch import Claimed, DueKey, NewExecution, NextDue, Plan, Retry
 from herdwick.storage.hot import ReadyExecution
 
-log = logging.getLogger("herdwick.dispatch")
+log = logs.get("herdwick.dispatch")
 
 MAX_BATCH_KEYS = 5_000
 _schedule_decoder = msgspec.json.Decoder(Schedule)
@@ -157,7 +157,7 @@ class DispatchActor(Actor):
                                       lambda claimed: plan(claimed, now))
         lost = frozenset(revisions) - result.held
         if lost:
-            log.warning("event=dispatch_fenced shards=%s", sorted(lost))
+            log.warning("dispatch_fenced", shards=sorted(lost))
             await self._lease_lost(LeaseLost(lost))
         for pool, publish in ready_executions(result).items():
             await self._publish(pool, publish)

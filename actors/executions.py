@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import uuid
 from datetime import UTC, datetime
 from typing import NamedTuple
 
 import msgspec
 
+from herdwick import logs
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor, Tick
 from herdwick.clock import Clock
@@ -29,7 +29,7 @@ from herdwick.storage.executions import AttemptRow, ExecutionUpdate
 from herdwick.storage.hot import HotTier
 from herdwick.storage.protocol import Event, Protocol
 
-log = logging.getLogger("herdwick.executions")
+log = logs.get("herdwick.executions")
 
 GROUP = "scheduler"
 # An entry holds one event, or a worker's batch call's (up to a thousand): each pool's

@@ -6,16 +6,16 @@ function takes an advisory lock, the delete is bounded and idempotent).
 
 from __future__ import annotations
 
-import logging
 from datetime import timedelta
 
+from herdwick import logs
 from herdwick.actors.base import Actor, Tick
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
 from herdwick.storage import maintenance as store
 from herdwick.storage.db import Database
 
-log = logging.getLogger("herdwick.maintenance")
+log = logs.get("herdwick.maintenance")
 
 INTERVAL_S = 3600.0
 PARTITION_DAYS_AHEAD = 8
@@ -44,8 +44,7 @@ class Maintenance(Actor):
             expired = await store.delete_expired_idempotency(self._db, now,
                                                              IDEMPOTENCY_DELETE_BATCH)
         except StorageUnavailable as exc:
-            log.warning("event=maintenance_skipped error=%s", exc)
+            log.warning("maintenance_skipped", error=exc)
             return
         if created or expired:
-            log.info("event=maintenance partitions_created=%d idempotency_deleted=%d",
-                     created, expired)
+            log.info("maintenance", partitions_created=created, idempotency_deleted=expired)

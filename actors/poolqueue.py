@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 
+from herdwick import logs
 from herdwick.actors.base import Actor
 from herdwick.actors.messages import Publish
 from herdwick.actors.shard import to_us
@@ -19,7 +19,7 @@ from herdwick.errors import StorageUnavailable
 from herdwick.metrics import Histogram
 from herdwick.storage.hot import HotTier, ReadyExecution
 
-log = logging.getLogger("herdwick.poolqueue")
+log = logs.get("herdwick.poolqueue")
 
 PUBLISH_BATCH = 2_000
 PUBLISH_RETRIES_S = (0.05, 0.2, 1.0, 2.0)
@@ -60,8 +60,7 @@ class PoolQueue(Actor):
             except StorageUnavailable as exc:
                 if delay is None:
                     # Committed in Postgres, not in Redis: the sweeper republishes these.
-                    log.error("event=publish_dropped pool=%s count=%d error=%s",
-                              self.pool, len(items), exc)
+                    log.error("publish_dropped", pool=self.pool, count=len(items), error=exc)
                     return
                 await asyncio.sleep(delay)
         now_us = to_us(self.clock.now())

@@ -8,15 +8,14 @@ failure. Every node may run it; hw_expire is atomic.
 
 from __future__ import annotations
 
-import logging
-
+from herdwick import logs
 from herdwick.actors.base import Actor, Tick
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
 from herdwick.storage.hot import HotTier
 from herdwick.storage.protocol import Protocol
 
-log = logging.getLogger("herdwick.reaper")
+log = logs.get("herdwick.reaper")
 
 INTERVAL_S = 1.0
 EXPIRE_BATCH = 1_000
@@ -45,8 +44,8 @@ class Reaper(Actor):
                         break
                 await self._protocol.trim_ready(pool)
         except StorageUnavailable as exc:
-            log.warning("event=reaper_skipped error=%s", exc)
+            log.warning("reaper_skipped", error=exc)
         if count:
-            log.info("event=leases_expired count=%d", count)
+            log.info("leases_expired", count=count)
         self.expired += count
         return count

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import socket
 import uuid
 
 import redis.asyncio as aioredis
 
+from herdwick import logs
 from herdwick.actors.base import Supervisor, Tick, every, sync
 from herdwick.actors.coordinator import RENEW_INTERVAL_S, Coordinator
 from herdwick.actors.dispatcher import DispatchActor
@@ -42,7 +42,7 @@ from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier, decode_notify
 from herdwick.storage.protocol import Protocol
 
-log = logging.getLogger("herdwick.scheduler")
+log = logs.get("herdwick.scheduler")
 
 DISPATCH_ACTORS = 2
 POOLS_REFRESH_S = 1.0  # a new pool's events are read within this
@@ -111,8 +111,7 @@ class Scheduler:
                 self._tasks.append(asyncio.create_task(
                     every(interval_s, lambda n=name: getattr(self, n).send(Tick()))))
         self._tasks.append(asyncio.create_task(self._listen_notify(client)))
-        log.info("event=scheduler_started node=%s shards=%d", self.node_id,
-                 len(self.coordinator.leases))
+        log.info("scheduler_started", node=self.node_id, shards=len(self.coordinator.leases))
         return self
 
     async def _start_execution_tier(self, client: aioredis.Redis) -> None:
@@ -166,7 +165,7 @@ class Scheduler:
         except StorageUnavailable as exc:
             # Canceled in Postgres already: its events are fenced out; the worker
             # learns at its lease's end at the latest.
-            log.warning("event=cancel_failed execution=%s error=%s", execution_id, exc)
+            log.warning("cancel_failed", execution=execution_id, error=exc)
 
     async def _lease_lost(self, lost: LeaseLost) -> None:
         await self.coordinator.send(lost)
@@ -236,7 +235,7 @@ class Scheduler:
             await self.hot.client.aclose()
         if self._given_db is None and self.db is not None:
             await self.db.close()
-        log.info("event=scheduler_stopped node=%s", self.node_id)
+        log.info("scheduler_stopped", node=self.node_id)
 
     def crash(self) -> None:
         """Die without releasing anything (fault tests): tasks cancelled, leases left to expire."""

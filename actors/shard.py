@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import logging
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
+from herdwick import logs
 from herdwick.actors.base import Actor, Tick
 from herdwick.actors.messages import Due, NotifyDue
 from herdwick.clock import Clock
@@ -28,7 +28,7 @@ from herdwick.storage import dispatch as store
 from herdwick.storage.db import Database
 from herdwick.storage.dispatch import DueKey, DueRow
 
-log = logging.getLogger("herdwick.shard")
+log = logs.get("herdwick.shard")
 
 LOAD_INTERVAL_S = 2.0
 LOOKAHEAD_S = 60.0

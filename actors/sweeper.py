@@ -11,10 +11,10 @@ grace period.
 
 from __future__ import annotations
 
-import logging
 import uuid
 from datetime import timedelta
 
+from herdwick import logs
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor, Tick
 from herdwick.actors.messages import Publish
@@ -25,7 +25,7 @@ from herdwick.storage import sweep as store
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier, ReadyExecution
 
-log = logging.getLogger("herdwick.sweeper")
+log = logs.get("herdwick.sweeper")
 
 INTERVAL_S = 10.0
 GRACE_S = 30.0  # a fresh execution may be between commit and publish this long
@@ -60,7 +60,7 @@ class Sweeper(Actor):
                 self._hot.forget_groups()
             return await self._sweep(everything=lost_data)
         except StorageUnavailable as exc:
-            log.warning("event=sweep_skipped error=%s", exc)
+            log.warning("sweep_skipped", error=exc)
             return 0
 
     async def _sweep(self, everything: bool) -> int:
@@ -90,7 +90,7 @@ class Sweeper(Actor):
                 [_ready(row, attempt) for row, attempt in items],
                 [to_us(row.scheduled_for) for row, _ in items]))
         count = sum(len(v) for v in by_pool.values())
-        log.warning("event=executions_republished count=%d everything=%s", count, everything)
+        log.warning("executions_republished", count=count, everything=everything)
         self.republished += count
         return count
 

@@ -8,18 +8,18 @@ Both are best effort; Postgres already holds the truth.
 
 from __future__ import annotations
 
-import logging
 import uuid
 from datetime import UTC, datetime, timedelta
 
 from redis.exceptions import RedisError
 
+from herdwick import logs
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
 from herdwick.storage.hot import HotTier, NotifyMessage
 from herdwick.storage.protocol import Protocol
 
-log = logging.getLogger("herdwick.gateway")
+log = logs.get("herdwick.gateway")
 
 # A little more than the shards' load interval, so nothing due before the next
 # load waits for the one after it.
@@ -42,7 +42,7 @@ def notifier(hot: HotTier, clock: Clock):
             await hot.notify(near)
         except (RedisError, OSError) as exc:
             # Committed already; the shard's next load picks it up.
-            log.warning("event=notify_failed count=%d error=%s", len(near), exc)
+            log.warning("notify_failed", count=len(near), error=exc)
     return notify
 
 
@@ -54,5 +54,5 @@ def canceller(protocol: Protocol):
         except (StorageUnavailable, RedisError, OSError) as exc:
             # Postgres has them canceled: their events are fenced out, and the
             # worker learns at its lease's end at the latest.
-            log.warning("event=cancel_notify_failed pool=%s error=%s", pool, exc)
+            log.warning("cancel_notify_failed", pool=pool, error=exc)
     return cancel_running

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import re
 
 import msgspec
 from aiohttp import web
 
+from herdwick import logs
 from herdwick.errors import (
     Conflict,
     IdempotencyKeyReused,
@@ -18,7 +18,7 @@ from herdwick.errors import (
 )
 from herdwick.model import FieldError, Problem
 
-log = logging.getLogger("herdwick.gateway")
+log = logs.get("herdwick.gateway")
 
 PROBLEM_BASE = "https://herdwick.dev/problems/"
 STORAGE_RETRY_AFTER_S = 5
@@ -115,9 +115,9 @@ async def problem_middleware(request: web.Request, handler) -> web.StreamRespons
         mapped = _from_domain(exc)
         if mapped is not None:
             if mapped.problem.status >= 500:
-                log.warning("event=request_failed status=%d path=%s error=%s",
-                            mapped.problem.status, request.path, exc)
+                log.warning("request_failed", status=mapped.problem.status, path=request.path,
+                            error=exc)
             return render(mapped.problem, mapped.headers)
-        log.exception("event=request_crashed path=%s", request.path)
+        log.exception("request_crashed", path=request.path)
         return render(Problem(type=PROBLEM_BASE + "internal", title="Internal error", status=500,
                               detail="an unexpected error; it has been logged"))

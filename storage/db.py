@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import asyncpg
 
+from herdwick import logs
 from herdwick.errors import StorageUnavailable
 
-log = logging.getLogger("herdwick.storage")
+log = logs.get("herdwick.storage")
 
 T = TypeVar("T")
 
@@ -56,7 +56,7 @@ async def retrying(attempt: Callable[[], Awaitable[T]]) -> T:
         except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError):
             if tries == RETRIES:
                 raise
-            log.info("event=transaction_retried try=%d", tries)
+            log.info("transaction_retried", tries=tries)
             await asyncio.sleep(random.uniform(0.005, 0.05) * tries)
     raise AssertionError("unreachable")
 

@@ -5,17 +5,17 @@ Nothing here mutates hot state itself: that is the functions' job.
 
 from __future__ import annotations
 
-import logging
 from importlib.resources import files
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from herdwick import logs
 from herdwick.errors import StorageUnavailable
 from herdwick.storage import keys
 
-log = logging.getLogger("herdwick.hot")
+log = logs.get("herdwick.hot")
 
 LIBRARY = files("herdwick.lua") / "herdwick.lua"  # package data: a wheel carries it
 PUBLISH_CHUNK = 500  # executions per FCALL: bounds the time one call holds the server

@@ -7,18 +7,18 @@ one transaction, so a crash leaves it either wholly applied or not at all.
 
 from __future__ import annotations
 
-import logging
 import re
 from pathlib import Path
 
 import asyncpg
 import msgspec
 
+from herdwick import logs
 from herdwick.errors import SchemaOutOfDate
 from herdwick.storage.db import translated
 from herdwick.storage.sql import q
 
-log = logging.getLogger("herdwick.migrate")
+log = logs.get("herdwick.migrate")
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -69,8 +69,7 @@ async def _apply_locked(conn: asyncpg.Connection) -> list[Migration]:
             async with conn.transaction():
                 await conn.execute(migration.path.read_text())
                 await conn.execute(q("migrations_record"), migration.version, migration.name)
-            log.info("event=migration_applied version=%d name=%s",
-                     migration.version, migration.name)
+            log.info("migration_applied", version=migration.version, name=migration.name)
             applied.append(migration)
         return applied
     finally:
@@ -89,5 +88,5 @@ async def check(conn: asyncpg.Connection) -> int:
             f"the database schema is at version {have}, this herdwick needs {want}: "
             "run `herdwick migrate`")
     if have > want:
-        log.warning("event=schema_newer have=%d want=%d", have, want)
+        log.warning("schema_newer", have=have, want=want)
     return have
