@@ -10,16 +10,24 @@ import collections
 import ipaddress
 import re
 import urllib.parse
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import msgspec
 
 from herdwick import schedule as sched
 from herdwick.ids import shard_of, uuid7
-from herdwick.model import MAX_PAYLOAD_BYTES, FieldError, JobSpec, Schedule
+from herdwick.model import (
+    EARLIEST_RUN_AT,
+    MAX_DELAY_S,
+    MAX_PAYLOAD_BYTES,
+    POOL_PATTERN,
+    FieldError,
+    JobSpec,
+    Schedule,
+    valid_pool,
+)
 from herdwick.storage.jobs import NewJob
 
-QUEUE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 HTTP_POOL = "http"
 HERD_WARN_JOBS = 1000  # this many of a tenant's jobs in one second earns a warning
 HERD_SUGGESTED_JITTER_S = 60
@@ -43,8 +51,8 @@ def _err(prefix: str, field: str, message: str) -> FieldError:
 def check_target(spec: JobSpec, prefix: str, allow: tuple[Network, ...]) -> list[FieldError]:
     ref = spec.target.ref
     if spec.target.type == "queue":
-        if not QUEUE_NAME.match(ref):
-            return [_err(prefix, "target.ref", "a queue name is [a-z0-9][a-z0-9_.-]{0,62}")]
+        if not valid_pool(ref):
+            return [_err(prefix, "target.ref", f"a queue name is {POOL_PATTERN}")]
         if ref == HTTP_POOL:
             return [_err(prefix, "target.ref", "the pool 'http' is reserved for http targets")]
         return []
@@ -118,6 +126,18 @@ def _has_nul(value: object) -> bool:
     return False
 
 
+def check_times(schedule: Schedule, now: datetime, prefix: str) -> list[FieldError]:
+    run_at = schedule.run_at
+    if run_at is None:
+        return []
+    latest = now + timedelta(seconds=MAX_DELAY_S)
+    if EARLIEST_RUN_AT <= run_at <= latest:
+        return []
+    return [_err(prefix, "schedule.runAt",
+                 f"must be from {sched.format_utc(EARLIEST_RUN_AT)} to ten years from now "
+                 f"({sched.format_utc(latest)}); a time in the past runs at once")]
+
+
 def normalised(schedule: Schedule) -> Schedule:
     """The schedule as stored: a cron schedule's zone filled in."""
     if schedule.cron is not None and schedule.tz is None:
@@ -133,7 +153,10 @@ def prepare(spec: JobSpec, *, now: datetime, allow: tuple[Network, ...],
         errors.append(_err(prefix, "name", "must not contain control characters"))
     errors += check_target(spec, prefix, allow)
     errors += check_payload(spec.payload, prefix)
+    errors += check_times(spec.schedule, now, prefix)
     job_id = uuid7(now)
+    if errors:
+        return Prepared(None, errors)
     try:
         first = sched.first_run_at(spec.schedule, now, job_id=job_id)
     except sched.ScheduleError as exc:

@@ -6,8 +6,9 @@ ignored option. Value limits live in the aliases at the top, in one place.
 
 from __future__ import annotations
 
+import re
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 import msgspec
@@ -23,6 +24,9 @@ MAX_TIMEOUT_S = 7 * 24 * 3600
 MAX_BACKOFF_S = 24 * 3600
 MAX_ATTEMPTS = 100
 MAX_IDEMPOTENCY_KEY_LEN = 255
+# runAt must fall in [EARLIEST_RUN_AT, submit time + MAX_DELAY_S]: a time in the past
+# runs as soon as possible, and the bounds keep every stored time finite and ordinary.
+EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LIST_LIMIT_DEFAULT = 50
 LIST_LIMIT_MAX = 500
 
@@ -40,6 +44,16 @@ Weight = Annotated[int, Meta(ge=1, le=1000)]
 DispatchRate = Annotated[float, Meta(gt=0, le=1_000_000)]
 MaxActiveJobs = Annotated[int, Meta(ge=1, le=100_000_000)]
 TenantName = Annotated[str, Meta(min_length=1, max_length=200)]
+
+# A queue target's ref, which is its worker pool's name. Checked with fullmatch:
+# re's `$` would also match before a trailing newline.
+POOL_PATTERN = "[a-z0-9][a-z0-9_.-]{0,62}"
+_POOL = re.compile(POOL_PATTERN)
+
+
+def valid_pool(name: str) -> bool:
+    return _POOL.fullmatch(name) is not None
+
 
 TargetType = Literal["http", "queue"]
 Overlap = Literal["allow", "forbid", "replace"]
