@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import logging
+import errno
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from herdwick import logs
 from herdwick.clock import Clock, SystemClock
 from herdwick.config import Settings
+from herdwick.errors import HerdwickError
 from herdwick.gateway.context import CTX, Ctx
 from herdwick.gateway.jobs import BATCH_BODY_CAP
 from herdwick.gateway.notify import canceller, notifier
@@ -22,7 +24,7 @@ from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
 from herdwick.storage.protocol import Protocol
 
-log = logging.getLogger("herdwick.gateway")
+log = logs.get("herdwick.gateway")
 
 DB_POOL_MAX = 20
 
@@ -61,14 +63,30 @@ def create_app(settings: Settings, *, clock: Clock | None = None, db: Database |
     return app
 
 
+class PortInUse(HerdwickError):
+    """The gateway's address is taken (by another herdwick, say)."""
+
+
 async def serve(app: web.Application, host: str, port: int,
-                stop: asyncio.Event | None = None) -> None:
-    """Run the app until `stop` is set (or forever), then shut down cleanly."""
+                stop: asyncio.Event | None = None, *, reuse_port: bool = False) -> None:
+    """Run the app until `stop` is set (or forever), then shut down cleanly.
+
+    reuse_port shares the port with other processes that ask for it too
+    (SO_REUSEPORT: the kernel spreads connections over them); without it a
+    busy port is PortInUse, so two servers never answer one port unawares.
+    """
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_port=True)
-    await site.start()
-    log.info("event=api_listening host=%s port=%d", host, port)
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(f"{host}:{port} is in use by another process; stop it or set "
+                            "HERDWICK_API_PORT") from None
+        raise
+    log.info("api_listening", host=host, port=port)
     try:
         await (stop.wait() if stop is not None else asyncio.Event().wait())
     finally:

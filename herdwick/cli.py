@@ -8,116 +8,148 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
+from herdwick import logs
 from herdwick.config import ENV, ConfigError, Settings, from_env
-
-log = logging.getLogger("herdwick.cli")
 
 NOT_YET = {
     "http-worker": "the http worker pool",
 }
 
+# What each setting means, for --help.
+_SETTING_HELP = {
+    "database_url": "Postgres DSN",
+    "redis_url": "Redis URL (redis://, rediss:// or unix://)",
+    "key_prefix": "prefix of every Redis key (default hw)",
+    "admin_token": "bearer token of the admin API (16+ characters; unset: admin API off)",
+    "http_allow": "comma-separated CIDRs an http target may resolve to besides public ones",
+    "api_host": "address the gateway binds (default 127.0.0.1)",
+    "api_port": "port the gateway binds (default 8080)",
+}
+# The settings each command reads; a command shows only these flags.
+_SERVICE = ("database_url", "redis_url", "key_prefix")
+_USES = {
+    "dev": tuple(ENV),
+    "migrate": ("database_url",),
+    "api": (*_SERVICE, "admin_token", "http_allow", "api_host", "api_port"),
+    "scheduler": _SERVICE,
+    "http-worker": ("redis_url", "key_prefix", "http_allow"),
+    "tenant create": ("database_url",),
+    "worker": ("redis_url", "key_prefix"),
+}
 
-def _config_flags() -> argparse.ArgumentParser:
+
+def _config_flags(command: str) -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("configuration (each overrides its environment variable)")
-    for field, var in ENV.items():
+    group = parent.add_argument_group("configuration (each flag overrides its variable)")
+    for field in _USES[command]:
         group.add_argument("--" + field.replace("_", "-"), dest=field, default=None,
-                           help=f"default: ${var}")
+                           metavar="VALUE", help=f"{_SETTING_HELP[field]}; ${ENV[field]}")
     return parent
 
 
-def _parser() -> argparse.ArgumentParser:
-    config = _config_flags()
+def _log_flags() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("logging")
+    group.add_argument("--log-level", choices=logs.LEVELS, default=None,
+                       help=f"default ${logs.LEVEL_ENV}, else {logs.DEFAULT_LEVEL}")
+    group.add_argument("--log-format", choices=logs.FORMATS, default=None,
+                       help=f"text, or json: one object a line; default ${logs.FORMAT_ENV}, "
+                            f"else {logs.DEFAULT_FORMAT}")
+    return parent
+
+
+def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
+    """Every command; the loadtest actions' flags (heavy imports) only when asked for."""
+    logging_ = _log_flags()
+
+    def command(sub, name: str, help: str, config: str | None = None, **kw):
+        parents = [logging_] + ([_config_flags(config)] if config else [])
+        return sub.add_parser(name, parents=parents, help=help, description=help, **kw)
+
     parser = argparse.ArgumentParser(prog="herdwick",
                                      description="A distributed, multi-tenant job scheduler.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("dev", parents=[config],
-                   help="api + scheduler + http worker in one process; embedded Postgres/Redis "
-                        "unless URLs are set")
-    sub.add_parser("migrate", parents=[config], help="apply migrations (idempotent)")
-    sub.add_parser("api", parents=[config], help="the tenants' HTTP gateway")
-    sub.add_parser("scheduler", parents=[config],
-                   help="shard coordinator, shard actors, dispatch, pool queues")
-    sub.add_parser("http-worker", parents=[config],
-                   help="the built-in http worker pool (not yet implemented)")
-    worker = sub.add_parser("worker",
-                            help="run a herdwick.Worker from user code until SIGINT/SIGTERM")
-    worker.add_argument("target", metavar="MODULE:ATTR")
-    tenant = sub.add_parser("tenant", help="manage tenants")
+    command(sub, "dev", "api + scheduler + http worker in one process; embedded Postgres and "
+                        "Redis unless URLs are set (one per data directory)", "dev")
+    command(sub, "migrate", "apply the database migrations (idempotent)", "migrate")
+    api = command(sub, "api", "the tenants' HTTP gateway", "api")
+    api.add_argument("--reuse-port", action="store_true",
+                     help="share the port with other herdwick api processes on this host "
+                          "(SO_REUSEPORT); off by default, so a busy port is an error")
+    command(sub, "scheduler", "shard coordinator, shard actors, dispatch, pool queues, "
+                              "execution events, reaper and sweeper", "scheduler")
+    command(sub, "http-worker", "the built-in http worker pool (not yet implemented)",
+            "http-worker")
+    worker = command(sub, "worker", "run a herdwick.Worker from user code until SIGINT/SIGTERM "
+                                    "(in-flight work drains first)", "worker")
+    worker.add_argument("target", metavar="MODULE:ATTR",
+                        help="where the Worker is, e.g. app:worker (imported from the "
+                             "current directory)")
+    tenant = sub.add_parser("tenant", help="manage tenants", description="manage tenants")
     tenant_sub = tenant.add_subparsers(dest="tenant_command", required=True, metavar="ACTION")
-    create = tenant_sub.add_parser("create", parents=[config],
-                                   help="create a tenant; prints its id and API key")
-    create.add_argument("name")
-    create.add_argument("--weight", type=int, default=1)
-    create.add_argument("--rate", type=float, default=None, help="dispatches per second")
-    create.add_argument("--max-active-jobs", type=int, default=None)
-    cron = sub.add_parser("cron", help="print the next fire times of a cron expression")
-    cron.add_argument("expr")
+    create = command(tenant_sub, "create", "create a tenant; prints its id, API key and "
+                                           "signing secret", "tenant create")
+    create.add_argument("name", help="a label (names need not be unique)")
+    create.add_argument("--weight", type=int, default=1,
+                        help="its share of each pool's dispatch under contention; default 1")
+    create.add_argument("--rate", type=float, default=None, metavar="PER_S",
+                        help="most dispatches a second; default unlimited")
+    create.add_argument("--max-active-jobs", type=int, default=None, metavar="N",
+                        help="most active or paused jobs at once; default unlimited")
+    cron = command(sub, "cron", "print the next fire times of a cron expression: the function "
+                                "the scheduler uses")
+    cron.add_argument("expr", help="five fields, or a macro such as @daily")
     cron.add_argument("--tz", default="UTC", help="IANA zone (default UTC)")
     cron.add_argument("--after", default=None, help="RFC 3339 instant (default now)")
-    cron.add_argument("--count", type=int, default=5)
-    cron.add_argument("--jitter", type=int, default=0, metavar="S")
-    cron.add_argument("--job-id", default=None, help="seeds jitter and H fields")
-    _loadtest_parser(sub)
+    cron.add_argument("--count", type=int, default=5, help="how many (default 5)")
+    cron.add_argument("--jitter", type=int, default=0, metavar="S",
+                      help="the job's jitterSeconds (default 0)")
+    cron.add_argument("--job-id", default=None, help="the job id that seeds jitter and H")
+    _loadtest_parser(sub, logging_, loadtest_flags)
     return parser
 
 
-def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
-    loadtest = sub.add_parser("loadtest", help="load generators against this machine")
+def _loadtest_parser(sub: argparse._SubParsersAction, logging_: argparse.ArgumentParser,
+                     flags: bool) -> None:
+    loadtest = sub.add_parser(
+        "loadtest", help="load generators against this machine (loopback only)",
+        description="Load generators: each makes its own scratch database and Redis key "
+                    "prefix on the servers it is given and removes them after.")
     actions = loadtest.add_subparsers(dest="loadtest_command", required=True, metavar="ACTION")
     submit = actions.add_parser(
-        "submit", help="POST /v1/jobs and /v1/jobs:batch rates, against the raw insert",
+        "submit", parents=[logging_],
+        help="POST /v1/jobs and /v1/jobs:batch rates, against the raw insert",
         description="Measures single and batch submits over HTTP and the same inserts "
                     "straight through asyncpg, in a fresh database it drops afterwards.")
-    submit.add_argument("--clients", type=int, metavar="N",
-                        help="concurrent single-submit clients; default 64")
-    submit.add_argument("--raw-clients", type=int, metavar="N",
-                        help="connections of the raw single-insert baseline; default --clients")
-    submit.add_argument("--batch-clients", type=int, metavar="C",
-                        help="concurrent batch clients; default 4")
-    submit.add_argument("--batch-size", type=int, metavar="JOBS",
-                        help="jobs per batch request; default 1000")
-    submit.add_argument("--duration", type=float, metavar="S",
-                        help="measured seconds per phase; default 10")
-    submit.add_argument("--warmup", type=float, metavar="S",
-                        help="warm-up seconds before each phase is measured; default 2")
-    submit.add_argument("--phases", metavar="LIST",
-                        help="comma-separated subset of http-single,raw-single,http-batch,"
-                             "raw-batch; default all")
-    submit.add_argument("--api-processes", type=int, metavar="K",
-                        help="herdwick api processes to start on one port; default 1")
-    submit.add_argument("--url", help="target a running API (loopback only) instead")
-    submit.add_argument("--api-key", help="a tenant's API key for --url")
-    submit.add_argument("--database-url", help="Postgres server for the scratch database; "
-                        "default $HERDWICK_DATABASE_URL, else postgres@127.0.0.1:5432")
-    submit.add_argument("--redis-url", help="default $HERDWICK_REDIS_URL, else 127.0.0.1:6379")
-    submit.add_argument("--keep", action="store_true", help="keep the scratch database")
-    submit.add_argument("--json", action="store_true", help="the report as JSON")
     herd = actions.add_parser(
-        "herd", help="a herd of jobs due in one second, against the raw dispatch limits",
+        "herd", parents=[logging_],
+        help="a herd of jobs due in one second, against the raw dispatch limits",
         description="Inserts a herd due in the same second (and an optional steady "
                     "background), runs `herdwick scheduler` processes and no-op stream "
                     "consumers, and reports dispatch lag, throughput, CPU and memory beside "
                     "this machine's raw limits for the same work.")
-    from herdwick.loadtest.herd import add_arguments as herd_arguments
-
-    herd_arguments(herd)
     e2e = actions.add_parser(
-        "e2e", help="a herd or a steady rate through SDK workers to outcomes in Postgres",
+        "e2e", parents=[logging_],
+        help="a herd or a steady rate through SDK workers to outcomes in Postgres",
         description="A herd due in one second (--jobs), a steady rate (--rate, --duration) "
                     "or both, through `herdwick scheduler` and `herdwick worker` processes "
                     "with a no-op handler; reports the time until every execution "
                     "succeeded in Postgres, due->lease lag, the events and ready streams' "
                     "backlog, and Postgres transactions and Redis commands per execution.")
+    if not flags:
+        return
     from herdwick.loadtest.e2e import add_arguments as e2e_arguments
+    from herdwick.loadtest.herd import add_arguments as herd_arguments
+    from herdwick.loadtest.submit import add_arguments as submit_arguments
 
+    submit_arguments(submit)
+    herd_arguments(herd)
     e2e_arguments(e2e)
 
 
@@ -200,9 +232,8 @@ async def _tenant_create(settings: Settings, args: argparse.Namespace) -> int:
 
     try:
         spec = msgspec.convert({"name": args.name, "weight": args.weight,
-                                "dispatch_rate": args.rate,
-                                "max_active_jobs": args.max_active_jobs}, TenantSpec,
-                               from_attributes=False)
+                                "dispatchRate": args.rate,
+                                "maxActiveJobs": args.max_active_jobs}, TenantSpec)
     except msgspec.ValidationError as exc:
         print(f"herdwick tenant create: {exc}", file=sys.stderr)
         return 2
@@ -217,12 +248,13 @@ async def _tenant_create(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _api(settings: Settings) -> int:
+async def _api(settings: Settings, args: argparse.Namespace) -> int:
     from herdwick.gateway.app import create_app, serve
 
     stop = asyncio.Event()
     _stop_on_signals(stop)
-    await serve(create_app(settings), settings.api_host, settings.api_port, stop)
+    await serve(create_app(settings), settings.api_host, settings.api_port, stop,
+                reuse_port=args.reuse_port)
     return 0
 
 
@@ -283,6 +315,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"herdwick worker: {args.target} is a {type(worker).__name__}, "
               "not a herdwick.Worker", file=sys.stderr)
         return 2
+    # A flag wins over what the code says, and the code over the environment.
+    settings = _settings(args)  # validates the flags and the environment
+    worker.configure(redis_url=args.redis_url or worker.redis_url or settings.redis_url,
+                     key_prefix=args.key_prefix or worker.key_prefix or settings.key_prefix)
+    if worker.redis_url is None:
+        raise ConfigError("HERDWICK_REDIS_URL is not set, and the Worker names no Redis URL "
+                          "(`herdwick dev` prints the one to use)")
     return _run(_worker(worker))
 
 
@@ -297,18 +336,35 @@ def _production(fn: Callable[..., Coroutine[Any, Any, int]],
                 database_only: bool = False) -> Callable[..., int]:
     def command(args: argparse.Namespace) -> int:
         settings = _settings(args)
-        if database_only and settings.database_url:
-            pass
+        if database_only:
+            settings.require_database()
         else:
             settings.require_services()
         return _run(fn(settings, args) if fn.__code__.co_argcount == 2 else fn(settings))
     return command
 
 
+def _configure_logging(args: argparse.Namespace) -> None:
+    import os
+
+    level = (getattr(args, "log_level", None) or os.environ.get(logs.LEVEL_ENV)
+             or logs.DEFAULT_LEVEL)
+    fmt = (getattr(args, "log_format", None) or os.environ.get(logs.FORMAT_ENV)
+           or logs.DEFAULT_FORMAT)
+    try:
+        logs.configure(level.lower(), fmt.lower())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(loadtest_flags=argv[:1] == ["loadtest"]).parse_args(argv)
+    try:
+        _configure_logging(args)
+    except ConfigError as exc:
+        print(f"herdwick: {exc}", file=sys.stderr)
+        return 2
     if args.command in NOT_YET:
         print(f"herdwick {args.command}: {NOT_YET[args.command]} is not yet implemented",
               file=sys.stderr)

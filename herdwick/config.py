@@ -47,10 +47,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ConfigError("HERDWICK_ADMIN_TOKEN must be at least 16 characters")
 
-    def require_services(self) -> None:
-        """Production processes refuse to start without both URLs."""
+    def require_database(self) -> None:
         if not self.database_url:
             raise ConfigError("HERDWICK_DATABASE_URL is not set (a Postgres DSN)")
+
+    def require_services(self) -> None:
+        """Production processes refuse to start without both URLs."""
+        self.require_database()
         if not self.redis_url:
             raise ConfigError("HERDWICK_REDIS_URL is not set (a Redis URL)")
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import logging
 import os
 import random
 import socket
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,9 +36,12 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from herdwick import logs
+from herdwick.config import DEFAULT_KEY_PREFIX
+from herdwick.model import POOL_PATTERN, valid_pool
 from herdwick.storage import keys
 
-log = logging.getLogger("herdwick.worker")
+log = logs.get("herdwick.worker")
 
 DEFAULT_CONCURRENCY = 10
 DEFAULT_LEASE_S = 30.0
@@ -51,6 +54,9 @@ MAX_PIPELINE = 1000  # calls per pipeline: bounds one round trip, and the server
 REPORT_ATTEMPTS = 3  # complete/fail are fenced, so resending one is safe
 REPORT_RETRY_S = 0.2
 SETTLE_S = 5.0  # how long a cancelled handler may take to unwind before it is abandoned
+
+REDIS_URL_ENV = "HERDWICK_REDIS_URL"
+KEY_PREFIX_ENV = "HERDWICK_KEY_PREFIX"
 
 Handler = Callable[["Context"], Awaitable[Any]]
 
@@ -183,7 +189,7 @@ def _resolve(future: asyncio.Future, reply: Any) -> None:
 def _retrieve(future: asyncio.Future) -> None:
     """Done callback of a fire-and-forget call: its failure is logged, not left unretrieved."""
     if not future.cancelled() and (exc := future.exception()) is not None:
-        log.warning("event=redis_call_failed error=%s", exc)
+        log.warning("redis_call_failed", error=exc)
 
 
 class _Calls:
@@ -300,8 +306,8 @@ class _Lease:
         if self.lost:  # ctx.heartbeat() found out first
             self._lose()
         elif self._loop.time() >= self.deadline:
-            log.warning("event=lease_lapsed execution_id=%s attempt=%d",
-                        self._message.execution_id, self._message.attempt)
+            log.warning("lease_lapsed", execution_id=self._message.execution_id,
+                        attempt=self._message.attempt)
             self._lose()
         else:
             sent_at = self._loop.time()
@@ -315,8 +321,7 @@ class _Lease:
         if self._on_lost is None:  # released meanwhile
             return
         if exc is not None:
-            log.warning("event=heartbeat_failed execution_id=%s error=%s",
-                        self._message.execution_id, exc)
+            log.warning("heartbeat_failed", execution_id=self._message.execution_id, error=exc)
         elif _until(reply.result()) is None:
             self.lost = True
         else:
@@ -328,8 +333,8 @@ class _Lease:
 
     def _lose(self) -> None:
         self.lost = True
-        log.info("event=lease_lost execution_id=%s attempt=%d", self._message.execution_id,
-                 self._message.attempt)
+        log.info("lease_lost", execution_id=self._message.execution_id,
+                 attempt=self._message.attempt)
         on_lost, self._on_lost = self._on_lost, None
         if on_lost is not None:
             on_lost()
@@ -434,8 +439,8 @@ class _Execution:
         self._cancel_work()
 
     def _time_out(self, timeout_s: float) -> None:
-        log.warning("event=handler_timeout execution_id=%s attempt=%d timeout_s=%g",
-                    self.message.execution_id, self.message.attempt, timeout_s)
+        log.warning("handler_timeout", execution_id=self.message.execution_id,
+                    attempt=self.message.attempt, timeout_s=timeout_s)
         self._timed_out = timeout_s
         self._cancel_work()
 
@@ -448,7 +453,7 @@ class _Execution:
 
     def _unsettled(self) -> None:
         self._timer = None
-        log.error("event=handler_ignores_cancel task=%s", self._work.get_name())
+        log.error("handler_ignores_cancel", task=self._work.get_name())
         self._finish()
 
     def _handler_done(self, work: asyncio.Task) -> None:
@@ -494,18 +499,16 @@ class _Execution:
         exc = reply.exception()
         if exc is None:
             # debug: one line per execution would cost more than the execution at 5,000/s
-            log.debug("event=execution_%s execution_id=%s attempt=%d",
-                      _said(outcome, reply.result()), m.execution_id, m.attempt)
+            log.debug("execution_" + _said(outcome, reply.result()),
+                      execution_id=m.execution_id, attempt=m.attempt)
         elif (tries := self._tries + 1) < REPORT_ATTEMPTS:  # complete/fail are fenced: resend
             self._tries = tries
-            log.warning("event=report_failed execution_id=%s try=%d error=%s",
-                        m.execution_id, tries, exc)
+            log.warning("report_failed", execution_id=m.execution_id, tries=tries, error=exc)
             self._loop.call_later(REPORT_RETRY_S * tries * random.uniform(0.5, 1.0),
                                   self._report, outcome)
             return
         else:  # the lease lapses and the reaper counts the attempt as failed
-            log.error("event=report_abandoned execution_id=%s attempt=%d error=%s",
-                      m.execution_id, m.attempt, exc)
+            log.error("report_abandoned", execution_id=m.execution_id, attempt=m.attempt, error=exc)
         self._end()
 
     def _end(self) -> None:
@@ -567,6 +570,16 @@ class _Reader:
         await self._conn.aclose()
 
 
+def _redacted(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")[2]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urllib.parse.urlunsplit(parts._replace(netloc=user + netloc))
+
+
 def _default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
@@ -577,34 +590,38 @@ class Worker:
     Run once: `await worker.run()` returns after `stop()` (or the `stop`
     event), once in-flight handlers finished or their grace ran out.
 
-    concurrency: handlers running at once (and so messages leased at once).
-    key_prefix: the scheduler's HERDWICK_KEY_PREFIX. worker_id: the consumer
-    name and lease owner (default host:pid:random). lease_s: the lease each
-    attempt takes and renews every lease_s/3; messages idle longer than it
-    are claimed from dead readers. batch: most messages per read (default
-    concurrency). grace_s: how long stop() lets in-flight handlers finish.
-    redis: a client to use instead of one from redis_url (not closed here).
+    redis_url: the scheduler's Redis (HERDWICK_REDIS_URL when not given; `herdwick dev`
+    prints it). pool: the queue name that jobs target. concurrency: handlers running at
+    once (and so messages leased at once). key_prefix: the scheduler's
+    HERDWICK_KEY_PREFIX (that variable, else "hw", when not given). worker_id: the
+    consumer name and lease owner (default host:pid:random). lease_s: the lease each
+    attempt takes and renews every lease_s/3; messages idle longer than it are claimed
+    from dead readers. batch: most messages per read (default concurrency). grace_s: how
+    long stop() lets in-flight handlers finish. redis: a client to use instead of one
+    from redis_url (not closed here).
     """
 
-    def __init__(self, redis_url: str, pool: str, concurrency: int = DEFAULT_CONCURRENCY, *,
-                 key_prefix: str = "hw", worker_id: str | None = None,
-                 lease_s: float = DEFAULT_LEASE_S, batch: int | None = None,
-                 grace_s: float = DEFAULT_GRACE_S, redis: aioredis.Redis | None = None) -> None:
+    def __init__(self, redis_url: str | None = None, pool: str | None = None,
+                 concurrency: int = DEFAULT_CONCURRENCY, *, key_prefix: str | None = None,
+                 worker_id: str | None = None, lease_s: float = DEFAULT_LEASE_S,
+                 batch: int | None = None, grace_s: float = DEFAULT_GRACE_S,
+                 redis: aioredis.Redis | None = None) -> None:
+        if pool is None or not valid_pool(pool):
+            raise ValueError(f"pool must be a queue name ({POOL_PATTERN}), not {pool!r}")
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if lease_s <= 0 or grace_s < 0:
             raise ValueError("lease_s must be positive and grace_s not negative")
-        self.redis_url = redis_url
+        self.redis_url = redis_url or None
         self.pool = pool
         self.concurrency = concurrency
-        self.key_prefix = key_prefix
+        self.key_prefix = key_prefix or None
         self.worker_id = worker_id or _default_worker_id()
         self.lease_s = float(lease_s)
         self.batch = min(batch or concurrency, concurrency)
         self.grace_s = float(grace_s)
         self._given_client = redis
         self._handler: Handler | None = None
-        self._ready = keys.ready_stream(key_prefix, pool)
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()  # set on stop and whenever a slot frees
         self._done = asyncio.Event()
@@ -617,6 +634,19 @@ class Worker:
         self._idle = asyncio.Event()  # set while nothing runs
         self._idle.set()
         self._claim_cursor = "0-0"
+
+    def configure(self, *, redis_url: str | None = None, key_prefix: str | None = None) -> None:
+        """Set the Redis URL and key prefix before run() (`herdwick worker`'s flags do)."""
+        if self._started:
+            raise RuntimeError("configure() a Worker before it runs")
+        self.redis_url = redis_url or self.redis_url
+        self.key_prefix = key_prefix or self.key_prefix
+
+    def _resolve(self) -> tuple[str, str]:
+        url = self.redis_url or os.environ.get(REDIS_URL_ENV)
+        if not url and self._given_client is None:
+            raise RuntimeError(f"no Redis URL: pass one to Worker() or set {REDIS_URL_ENV}")
+        return url or "", self.key_prefix or os.environ.get(KEY_PREFIX_ENV) or DEFAULT_KEY_PREFIX
 
     def handler(self, fn: Handler) -> Handler:
         """Decorator: register the one async function that runs every execution."""
@@ -642,19 +672,23 @@ class Worker:
             raise RuntimeError("no handler: decorate an async function with @worker.handler")
         if self._started:
             raise RuntimeError("a Worker runs once")
+        url, prefix = self._resolve()
         self._started = True
-        client = self._given_client or aioredis.from_url(self.redis_url)
+        self._ready = keys.ready_stream(prefix, self.pool)
+        client = self._given_client or aioredis.from_url(url)
         pipeline = _Pipeline(client)
-        calls = _Calls(client, pipeline, keys.pool_base(self.key_prefix, self.pool),
+        calls = _Calls(client, pipeline, keys.pool_base(prefix, self.pool),
                        self._ready, self.worker_id, self.lease_s)
         reader = _Reader(client, self._ready, self.worker_id)
         flusher = asyncio.create_task(pipeline.run())
         watcher = asyncio.create_task(self._watch(stop)) if stop is not None else None
-        log.info("event=worker_started pool=%s worker_id=%s concurrency=%d lease_s=%g",
-                 self.pool, self.worker_id, self.concurrency, self.lease_s)
+        log.info("worker_started", pool=self.pool, worker_id=self.worker_id,
+                 concurrency=self.concurrency, lease_s=self.lease_s,
+                 redis=_redacted(url) if url else "(client given)", key_prefix=prefix)
         grace_s = self.grace_s
         try:
             await self._ensure_group(client)
+            await self._check_library(client)
             await self._read_loop(calls, reader)
         except asyncio.CancelledError:
             grace_s = 0.0
@@ -668,12 +702,28 @@ class Worker:
             await reader.close()
             if self._given_client is None:
                 await client.aclose()
-            log.info("event=worker_stopped pool=%s worker_id=%s", self.pool, self.worker_id)
+            log.info("worker_stopped", pool=self.pool, worker_id=self.worker_id)
             self._done.set()
 
     async def _watch(self, stop: asyncio.Event) -> None:
         await stop.wait()
         self._request_stop()
+
+    async def _check_library(self, client: aioredis.Redis) -> None:
+        """Say so when no scheduler has loaded herdwick's functions on this Redis.
+
+        The usual cause is a worker pointed at another Redis than the scheduler's:
+        it would wait for work forever without a word. It keeps waiting (a
+        scheduler may start later), but the log says what to check.
+        """
+        try:
+            await client.fcall("hw_version", 0)
+        except ResponseError:
+            log.warning("functions_missing", pool=self.pool,
+                        hint="no herdwick scheduler has loaded its functions on this Redis; "
+                             "is this the scheduler's HERDWICK_REDIS_URL?")
+        except RedisError:
+            pass  # unreachable: the read loop says so, and retries
 
     async def _ensure_group(self, client: aioredis.Redis) -> None:
         try:
@@ -715,18 +765,18 @@ class Worker:
             start_id=self._claim_cursor, count=count)
         self._claim_cursor = _text(cursor)
         if entries:
-            log.info("event=messages_claimed pool=%s count=%d", self.pool, len(entries))
+            log.info("messages_claimed", pool=self.pool, count=len(entries))
         return entries, self._claim_cursor != "0-0"
 
     async def _read_failed(self, client: aioredis.Redis, exc: RedisError) -> None:
         if "NOGROUP" in str(exc):  # the stream went away (FLUSHALL, a new Redis): recreate it
-            log.warning("event=group_missing pool=%s", self.pool)
+            log.warning("group_missing", pool=self.pool)
             try:
                 await self._ensure_group(client)
                 return
             except RedisError as again:
                 exc = again
-        log.warning("event=read_failed pool=%s error=%s", self.pool, exc)
+        log.warning("read_failed", pool=self.pool, error=exc)
         try:
             await asyncio.wait_for(self._stopping.wait(), READ_RETRY_S)
         except TimeoutError:
@@ -740,8 +790,7 @@ class Worker:
         for message_id, raw in entries:
             message = _Message.parse(message_id, raw)
             if message is None:
-                log.error("event=message_malformed pool=%s message_id=%s", self.pool,
-                          _text(message_id))
+                log.error("message_malformed", pool=self.pool, message_id=_text(message_id))
                 settled.append(message_id)
             elif (message.execution_id, message.attempt) in self._executions:
                 settled.append(message_id)
@@ -754,8 +803,8 @@ class Worker:
         for message, reply in zip(messages, replies, strict=True):
             settled.append(message.message_id)
             if reply is None:
-                log.debug("event=lease_refused execution_id=%s attempt=%d",
-                          message.execution_id, message.attempt)
+                log.debug("lease_refused", execution_id=message.execution_id,
+                          attempt=message.attempt)
             else:
                 self._spawn(calls, message, _Lease(calls, message, self.lease_s, sent_at))
         if settled:
@@ -780,14 +829,13 @@ class Worker:
         """Let in-flight handlers finish within grace_s; past it, abandon them (leases lapse)."""
         if not self._executions:
             return
-        log.info("event=worker_draining pool=%s in_flight=%d grace_s=%g", self.pool,
-                 len(self._executions), grace_s)
+        log.info("worker_draining", pool=self.pool, in_flight=len(self._executions),
+                 grace_s=grace_s)
         if grace_s > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), grace_s)
         if self._executions:
-            log.warning("event=grace_expired pool=%s cancelled=%d", self.pool,
-                        len(self._executions))
+            log.warning("grace_expired", pool=self.pool, cancelled=len(self._executions))
             for execution in list(self._executions.values()):
                 execution.abandon()
             # Abandoned handlers get SETTLE_S; a report in flight, its retries.

@@ -137,16 +137,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--delay", type=float, default=2.5,
       help="steady jobs are inserted and notified this many seconds before due; "
       "default 2.5")
-    a("--tenants", type=int, default=10)
-    a("--schedulers", type=int, default=1)
-    a("--workers", type=int, default=2, help="`herdwick worker` processes")
-    a("--concurrency", type=int, default=200, help="handlers per worker process")
-    a("--due-in", type=float, default=6.0, help="seconds from the move to the due second")
-    a("--timeout", type=float, default=180.0)
+    a("--tenants", type=int, default=10, help="tenants the jobs are spread over; default 10")
+    a("--schedulers", type=int, default=1, help="`herdwick scheduler` processes; default 1")
+    a("--workers", type=int, default=2, help="`herdwick worker` processes; default 2")
+    a("--concurrency", type=int, default=200,
+      help="handlers per worker process; default 200")
+    a("--due-in", type=float, default=6.0,
+      help="seconds from the move to the due second; default 6")
+    a("--timeout", type=float, default=180.0,
+      help="give up waiting after this many seconds; default 180")
     a("--database-url", default=os.environ.get("HERDWICK_DATABASE_URL",
-                                               "postgresql://postgres@127.0.0.1:5432/postgres"))
-    a("--redis-url", default=os.environ.get("HERDWICK_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    a("--json", action="store_true")
+                                               "postgresql://postgres@127.0.0.1:5432/postgres"),
+      help="Postgres server for the scratch database; default $HERDWICK_DATABASE_URL, else "
+           "postgresql://postgres@127.0.0.1:5432/postgres")
+    a("--redis-url", default=os.environ.get("HERDWICK_REDIS_URL", "redis://127.0.0.1:6379/0"),
+      help="default $HERDWICK_REDIS_URL, else redis://127.0.0.1:6379/0")
+    a("--json", action="store_true", help="the report as JSON")
 
 
 def plan_from(args: argparse.Namespace) -> Plan:

@@ -566,7 +566,7 @@ async def api_processes(count: int, database_url: str,
     try:
         for _ in range(count):
             apis.append(ApiProcess(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "herdwick.cli", "api", env=env,
+                sys.executable, "-m", "herdwick.cli", "api", "--reuse-port", env=env,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, preexec_fn=_dies_with_us())))
             await apis[-1].started()
@@ -626,6 +626,35 @@ async def run(options: Options, progress: Progress) -> Report:
 
 
 # --- the command ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `herdwick loadtest submit`; an unset flag takes Plan's default."""
+    a = parser.add_argument
+    a("--clients", type=int, metavar="N",
+      help="concurrent single-submit clients; default 64")
+    a("--raw-clients", type=int, metavar="N",
+      help="connections of the raw single-insert baseline; default --clients")
+    a("--batch-clients", type=int, metavar="C",
+      help="concurrent batch clients; default 4")
+    a("--batch-size", type=int, metavar="JOBS",
+      help="jobs per batch request; default 1000")
+    a("--duration", type=float, metavar="S",
+      help="measured seconds per phase; default 10")
+    a("--warmup", type=float, metavar="S",
+      help="warm-up seconds before each phase is measured; default 2")
+    a("--phases", metavar="LIST",
+      help="comma-separated subset of http-single,raw-single,http-batch,raw-batch; "
+           "default all")
+    a("--api-processes", type=int, metavar="K",
+      help="herdwick api processes to start on one port; default 1")
+    a("--url", help="target a running API (loopback only) instead")
+    a("--api-key", help="a tenant's API key for --url")
+    a("--database-url", help="Postgres server for the scratch database; "
+      "default $HERDWICK_DATABASE_URL, else postgres@127.0.0.1:5432")
+    a("--redis-url", help="default $HERDWICK_REDIS_URL, else 127.0.0.1:6379")
+    a("--keep", action="store_true", help="keep the scratch database")
+    a("--json", action="store_true", help="the report as JSON")
 
 
 def options_from(args: argparse.Namespace) -> Options:

@@ -522,3 +522,43 @@ async def test_a_reply_out_of_contract_fails_that_call_not_the_worker(tmp_path: 
     finally:
         await client.aclose()
         server.stop()
+
+
+async def test_a_worker_without_a_url_takes_the_environment_s(pool: Pool, monkeypatch) -> None:
+    monkeypatch.setenv("HERDWICK_REDIS_URL", pool.redis_url)
+    monkeypatch.setenv("HERDWICK_KEY_PREFIX", pool.prefix)
+    worker = herdwick.Worker(pool=POOL)
+    done = asyncio.Event()
+
+    @worker.handler
+    async def handle(ctx: herdwick.Context) -> str:
+        done.set()
+        return "ok"
+
+    execution = make_execution()
+    await pool.publish(execution)
+    async with running(worker):
+        await pool.next_event("completed", execution.execution_id)
+    assert done.is_set()
+
+
+def test_a_pool_that_no_job_can_target_is_refused_at_once() -> None:
+    for bad in ("Emails", "emails\n", "", "http pool", None):
+        with pytest.raises(ValueError, match="pool must be a queue name"):
+            herdwick.Worker("redis://127.0.0.1:6379/0", bad)
+
+
+async def test_a_worker_on_a_redis_no_scheduler_uses_says_so(tmp_path: Path, caplog) -> None:
+    from herdwick.embedded import start_redis
+
+    with start_redis(tmp_path) as server:  # a Redis without the function library
+        worker = herdwick.Worker(server.url, POOL, key_prefix="hwt:nolib")
+
+        @worker.handler
+        async def handle(ctx: herdwick.Context) -> None:
+            return None
+
+        async with running(worker):
+            pass  # it checks before its first read, and stopping waits for the read loop
+    assert "event=functions_missing pool=emails" in caplog.text
+    assert "HERDWICK_REDIS_URL" in caplog.text

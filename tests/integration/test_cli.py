@@ -1,0 +1,146 @@
+"""The `herdwick` command as a user runs it: a real process, real Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import uuid
+
+import asyncpg
+import pytest
+
+from tests.services import with_database
+
+TIMEOUT_S = 30
+
+
+async def herdwick(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "herdwick.cli", *args, env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT_S)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_help_imports_no_loadtest_gateway_or_driver() -> None:
+    probe = ("import sys\n"
+             "from herdwick.cli import main\n"
+             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "heavy = ('asyncpg', 'aiohttp', 'redis', 'psutil', 'herdwick.loadtest',\n"
+             "         'herdwick.gateway', 'herdwick.storage', 'herdwick.actors')\n"
+             "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", probe,
+                                                stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(proc.communicate(), TIMEOUT_S)
+    assert out.decode().strip().splitlines()[-1] == "[]"
+
+
+# Each command shows the settings it reads, and no others.
+FLAGS = {
+    ("migrate",): {"--database-url"},
+    ("tenant", "create"): {"--database-url"},
+    ("scheduler",): {"--database-url", "--redis-url", "--key-prefix"},
+    ("worker",): {"--redis-url", "--key-prefix"},
+    ("api",): {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
+               "--api-host", "--api-port"},
+}
+SETTINGS = {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
+            "--api-host", "--api-port"}
+
+
+@pytest.mark.parametrize("command", list(FLAGS), ids=" ".join)
+def test_each_command_lists_only_its_settings_and_every_option_has_help(command) -> None:
+    from herdwick.cli import _parser
+
+    parser = _parser()
+    for name in command:
+        parser = next(a for a in parser._actions if a.dest in ("command", "tenant_command")
+                      ).choices[name]
+    flags = {s for a in parser._actions for s in a.option_strings}
+    assert flags & SETTINGS == FLAGS[command]
+    assert {"--log-level", "--log-format"} <= flags
+    undocumented = [a.option_strings or a.dest for a in parser._actions if not a.help]
+    assert undocumented == []
+
+
+def test_every_loadtest_option_has_help() -> None:
+    from herdwick.cli import _parser
+
+    parser = _parser(loadtest_flags=True)
+    loadtest = next(a for a in parser._actions if a.dest == "command").choices["loadtest"]
+    actions = next(a for a in loadtest._actions if a.dest == "loadtest_command").choices
+    assert set(actions) == {"submit", "herd", "e2e"}
+    for name, action in actions.items():
+        undocumented = [a.option_strings for a in action._actions if not a.help]
+        assert undocumented == [], name
+
+
+async def test_tenant_create_prints_its_credentials_and_stores_the_weight(db_url, db) -> None:
+    code, out, err = await herdwick("tenant", "create", "acme", "--weight", "2", "--rate", "50",
+                                    "--database-url", db_url)
+    assert code == 0, err
+    lines = dict(line.split(":", 1) for line in out.strip().splitlines())
+    tenant_id = uuid.UUID(lines["tenant id"].strip())
+    assert lines["api key"].strip().startswith("hwk_")
+    assert lines["signing secret"].strip().startswith("whsec_")
+    async with db.connection() as conn:
+        row = await conn.fetchrow("SELECT name, weight, dispatch_rate FROM tenants "
+                                  "WHERE tenant_id = $1", tenant_id)
+    assert (row["name"], row["weight"], row["dispatch_rate"]) == ("acme", 2, 50.0)
+
+
+async def test_tenant_create_refuses_a_bad_weight_by_name(db_url, db) -> None:
+    code, _, err = await herdwick("tenant", "create", "acme", "--weight", "0",
+                                  "--database-url", db_url)
+    assert code == 2
+    assert "weight" in err
+    async with db.connection() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM tenants") == 0
+
+
+async def test_production_commands_name_the_missing_variable() -> None:
+    env = {"HERDWICK_DATABASE_URL": "", "HERDWICK_REDIS_URL": ""}
+    code, _, err = await herdwick("migrate", env=env)
+    assert (code, err.strip()) == (2, "herdwick: HERDWICK_DATABASE_URL is not set (a Postgres DSN)")
+    code, _, err = await herdwick("scheduler", "--database-url", "postgresql://x@/y", env=env)
+    assert (code, err.strip()) == (2, "herdwick: HERDWICK_REDIS_URL is not set (a Redis URL)")
+
+
+async def test_migrate_logs_one_json_object_a_line(services) -> None:
+    name = f"hw_cli_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(services.admin_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        code, out, err = await herdwick("migrate", "--log-format", "json", "--database-url",
+                                        with_database(services.admin_dsn, name))
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+    assert code == 0, err
+    assert out.strip().splitlines()[0].startswith("applied 0001_")
+    lines = [json.loads(line) for line in err.strip().splitlines()]
+    applied = [line for line in lines if line.get("event") == "migration_applied"]
+    assert applied and applied[0]["version"] == 1
+    assert {"ts", "level", "logger"} <= set(applied[0])
+
+
+async def test_a_log_setting_we_do_not_know_is_refused_by_name() -> None:
+    code, _, err = await herdwick("cron", "@daily", env={"HERDWICK_LOG_FORMAT": "xml"})
+    assert code == 2
+    assert "HERDWICK_LOG_FORMAT" in err
+
+
+async def test_api_on_a_busy_port_says_so_and_exits(db_url, services) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = await herdwick("api", "--database-url", db_url, "--redis-url",
+                                      services.redis_url, "--api-port", str(port))
+    assert code == 1
+    assert f"127.0.0.1:{port} is in use" in err
+    assert "Traceback" not in err
