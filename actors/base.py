@@ -182,15 +182,19 @@ class Supervisor:
         """Start an actor under `key`; returns once it is ready."""
         first = factory()
         self._current[key] = first
-        self._tasks[key] = self._group.create_task(self._keep(key, factory, first, restart),
-                                                   name=f"{self.name}:{key}")
-        ready = asyncio.create_task(first.ready.wait())
-        await asyncio.wait({ready, self._tasks[key]}, return_when=asyncio.FIRST_COMPLETED)
-        ready.cancel()
+        crashed = asyncio.Event()
+        self._tasks[key] = self._group.create_task(
+            self._keep(key, factory, first, restart, crashed), name=f"{self.name}:{key}")
+        # Ready, or its first start crashed (it keeps restarting in the background: a
+        # process must come up, and say why, even while one actor cannot), or it ended.
+        waits = {asyncio.create_task(first.ready.wait()), asyncio.create_task(crashed.wait())}
+        await asyncio.wait({*waits, self._tasks[key]}, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
         return first
 
     async def _keep(self, key: str, factory: Callable[[], Actor], actor: Actor,
-                    restart: bool) -> None:
+                    restart: bool, crashed: asyncio.Event) -> None:
         failures = 0
         while True:
             try:
@@ -199,6 +203,7 @@ class Supervisor:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                crashed.set()
                 delay = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
                 log.exception("actor_crashed", actor=key, restart=restart, delay_s=delay)
                 if not restart:

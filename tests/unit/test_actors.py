@@ -76,6 +76,28 @@ async def test_a_crashed_actor_is_restarted_fresh(caplog: pytest.LogCaptureFixtu
     assert "event=actor_crashed actor=r" in caplog.text
 
 
+async def test_start_returns_when_an_actor_s_first_start_crashes() -> None:
+    """A sweeper whose first pass meets a bad row must not hold the process's start."""
+    starts = 0
+
+    class FailsToStart(Recorder):
+        async def on_start(self) -> None:
+            nonlocal starts
+            starts += 1
+            if starts == 1:
+                raise RuntimeError("a row it cannot read")
+
+    log: list = []
+    async with Supervisor() as sup:
+        await asyncio.wait_for(sup.start("r", lambda: FailsToStart(log)), timeout=5)
+        await asyncio.wait_for(sup.restarted.wait(), timeout=5)
+        again = sup.actor("r")
+        await again.send("b")
+        await sync(again)
+    assert log == ["b"]
+    assert starts == 2
+
+
 async def test_an_actor_reused_by_its_factory_runs_again_after_a_crash() -> None:
     log: list = []
     actor = Recorder(log, crash_on="poison")
