@@ -23,14 +23,23 @@ import msgspec
 from herdwick import logs
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor
-from herdwick.actors.messages import Due, LeaseLost, Publish
+from herdwick.actors.messages import Due, LeaseLost, Publish, Reject
 from herdwick.actors.shard import to_us
 from herdwick.clock import Clock
+from herdwick.errors import Rejected, row_error
 from herdwick.ids import uuid7
 from herdwick.model import Schedule
 from herdwick.storage import dispatch as store
 from herdwick.storage.db import Database
-from herdwick.storage.dispatch import Claimed, DueKey, NewExecution, NextDue, Plan, Retry
+from herdwick.storage.dispatch import (
+    Claimed,
+    DueKey,
+    Failed,
+    NewExecution,
+    NextDue,
+    Plan,
+    Retry,
+)
 from herdwick.storage.hot import ReadyExecution
 
 log = logs.get("herdwick.dispatch")
@@ -51,27 +60,36 @@ def plan(claimed: list[Claimed], now: datetime) -> Plan:
       at most 100), and with overlap allow/replace its next occurrence goes
       into the due index now (forbid waits for completion); with replace it
       also cancels the job's still-unfinished earlier occurrences.
-    New occurrences of jobs no longer active dispatch nothing.
+    New occurrences of jobs no longer active dispatch nothing. A row that cannot
+    be planned (its stored schedule no longer evaluates, say) goes to `failed`
+    with the reason, and the rest are planned as if it were not there.
     """
-    out = Plan(executions=[], next_due=[], job_next=[], retries=[])
+    out = Plan(executions=[], next_due=[], job_next=[], retries=[], failed=[])
     for row in claimed:
-        if row.execution_id is not None:
-            # A retry, replay or trigger of an execution. Whether a pause holds it back is
-            # decided in SQL, on the job's state as of finish_dispatch: row.state may predate
-            # a pause that committed while claim_due waited for this row.
-            out.retries.append(Retry(row.execution_id, row.scheduled_for, row.attempt,
-                                     row.shard_id, row.next_run_at, row.job_id))
-            continue
-        if row.state != "active":
-            continue
-        schedule = _schedule_decoder.decode(row.schedule)
-        if schedule.cron is None:
-            # jobs.next_run_at keeps the due time until the execution ends
-            # (complete_one_offs clears it): no jobs UPDATE on the herd's path.
-            out.executions.append(_execution(row, row.next_run_at, "queued", now))
-            continue
-        _plan_cron(out, row, schedule, now)
+        try:
+            _plan_row(out, row, now)  # appends only once nothing more can raise
+        except Exception as exc:  # one bad row must not stop the batch: recorded on it
+            out.failed.append(Failed(row, row_error("DispatchFailed", exc), uuid7(now)))
     return out
+
+
+def _plan_row(out: Plan, row: Claimed, now: datetime) -> None:
+    if row.execution_id is not None:
+        # A retry, replay or trigger of an execution. Whether a pause holds it back is
+        # decided in SQL, on the job's state as of finish_dispatch: row.state may predate
+        # a pause that committed while claim_due waited for this row.
+        out.retries.append(Retry(row.execution_id, row.scheduled_for, row.attempt,
+                                 row.shard_id, row.next_run_at, row.job_id))
+        return
+    if row.state != "active":
+        return
+    schedule = _schedule_decoder.decode(row.schedule)
+    if schedule.cron is None:
+        # jobs.next_run_at keeps the due time until the execution ends
+        # (complete_one_offs clears it): no jobs UPDATE on the herd's path.
+        out.executions.append(_execution(row, row.next_run_at, "queued", now))
+        return
+    _plan_cron(out, row, schedule, now)
 
 
 def _execution(row: Claimed, when: datetime, state: str, now: datetime) -> NewExecution:
@@ -79,19 +97,19 @@ def _execution(row: Claimed, when: datetime, state: str, now: datetime) -> NewEx
 
 
 def _plan_cron(out: Plan, row: Claimed, schedule: Schedule, now: datetime) -> None:
+    # Everything that can raise comes before the first append: a row that fails adds nothing.
     if row.next_run_at > now:
         to_run, skipped = [row.next_run_at], []
     else:
         to_run, skipped = sched.misfire_plan(schedule, row.next_run_at, now, job_id=row.job_id)
         if not to_run:
             to_run = [row.next_run_at]
+    following = sched.next_fire_times(schedule, max(now, to_run[-1]), 1, job_id=row.job_id)
+    nxt = following[0] if following else None
     out.executions += [_execution(row, t, "queued", now) for t in to_run]
     out.executions += [_execution(row, t, "skipped", now) for t in skipped]
     if schedule.overlap == "replace":
         out.replace.append((row.job_id, to_run[-1]))
-    after = max(now, to_run[-1])
-    following = sched.next_fire_times(schedule, after, 1, job_id=row.job_id)
-    nxt = following[0] if following else None
     out.job_next.append((row.job_id, nxt))
     if nxt is not None and schedule.overlap != "forbid":
         out.next_due.append(NextDue(row.shard_id, nxt, row.job_id))
@@ -133,9 +151,12 @@ class DispatchActor(Actor):
         # False: against the injected clock (tests move time).
         self._db_now = db_now
         self.dispatched = 0
+        self.failed = 0  # due rows recorded as failed: read by tests and reports
 
     async def handle(self, msg: object | None) -> None:
         batch = [msg, *self.drain_until_sync(10_000)]
+        for reject in [m for m in batch if isinstance(m, Reject)]:
+            await self.reject(reject.shard_id, reject.revision, reject.keys, reject.errors)
         dues = [m for m in batch if isinstance(m, Due)]
         while dues:
             taken, dues = _take(dues, MAX_BATCH_KEYS)
@@ -152,9 +173,7 @@ class DispatchActor(Actor):
             revisions[due.shard_id] = due.revision
             keys += due.keys
         now = self.clock.now()
-        result = await store.dispatch(self._db, self._node_id, revisions, keys,
-                                      None if self._db_now else now,
-                                      lambda claimed: plan(claimed, now))
+        result = await self._dispatch(revisions, keys, now)
         lost = frozenset(revisions) - result.held
         if lost:
             log.warning("dispatch_fenced", shards=sorted(lost))
@@ -166,7 +185,51 @@ class DispatchActor(Actor):
             for execution_id, job_id in result.replaced:
                 await self._cancel(pools[job_id], str(execution_id))
         self.dispatched += len(result.queued)
+        self.failed += result.failed
         return result
+
+    async def _dispatch(self, revisions: dict[int, int], keys: list[DueKey],
+                        now: datetime) -> store.Dispatched:
+        """One transaction; if Postgres refuses what it writes, halves until the rows it
+        refuses are alone, and records those as failed (O(bad * log n) transactions)."""
+        db_now = None if self._db_now else now
+        try:
+            return await store.dispatch(self._db, self._node_id, revisions, keys, db_now,
+                                        lambda claimed: plan(claimed, now))
+        except Rejected as exc:
+            if len(keys) == 1:
+                recorded = await self.reject_rows(
+                    revisions, keys, [row_error("DispatchRejected", str(exc))])
+                return store.Dispatched(held=set(revisions), claimed=[], queued=[],
+                                        failed=recorded)
+            half = len(keys) // 2
+            first = await self._dispatch(revisions, keys[:half], now)
+            second = await self._dispatch(revisions, keys[half:], now)
+            return store.Dispatched(
+                held=first.held & second.held, claimed=first.claimed + second.claimed,
+                queued=first.queued + second.queued, replaced=first.replaced + second.replaced,
+                failed=first.failed + second.failed)
+
+    async def reject(self, shard_id: int, revision: int, keys: list[DueKey],
+                     errors: list[str]) -> int:
+        """Due rows a shard could not even load: recorded as failed, out of the due index."""
+        recorded = await self.reject_rows({shard_id: revision}, keys, errors)
+        self.failed += recorded
+        return recorded
+
+    async def reject_rows(self, revisions: dict[int, int], keys: list[DueKey],
+                          errors: list[str]) -> int:
+        now = self.clock.now()
+        for key, error in zip(keys, errors, strict=True):
+            log.error("row_rejected", shard=key.shard_id, job_id=key.job_id,
+                      due=str(key.next_run_at), error=error)
+        try:
+            recorded = await store.reject(self._db, self._node_id, revisions, keys, errors,
+                                          None if self._db_now else now, lambda: uuid7(now))
+        except Rejected as exc:  # cannot even record it: leave the row, say so, go on
+            log.error("row_reject_failed", count=len(keys), error=str(exc))
+            return 0
+        return recorded
 
 
 def _take(dues: list[Due], limit: int) -> tuple[list[Due], list[Due]]:

@@ -21,6 +21,7 @@ from herdwick import logs
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor, Tick
 from herdwick.clock import Clock
+from herdwick.errors import Rejected, row_error
 from herdwick.ids import shard_of
 from herdwick.model import Schedule
 from herdwick.storage import executions as store
@@ -273,12 +274,49 @@ class ExecutionEvents(Actor):
         Acks wait for every lane: the events of one entry (a batch call's) may
         be split over lanes.
         """
-        await asyncio.gather(*(store.apply(self._db, f.updates, f.attempts, f.now, shard_of,
-                                           next_after(f.clock_now)) for f in lanes))
+        await asyncio.gather(*(self._apply(f) for f in lanes))
         for pool in {p for p, _ in events}:
             await self._protocol.ack_events(pool, GROUP,
                                             [e.stream_id for p, e in events if p == pool])
         self.applied += len(events)
+
+
+    async def _apply(self, folded: _Folded) -> None:
+        """Apply a folded batch; if Postgres refuses something in it, isolate what it refuses.
+
+        Halves by execution until the refused execution is alone (the statements
+        are fenced and move state only forward, so re-applying a half that had
+        partly committed changes nothing), then applies that one without the
+        text a worker supplied (worker id, result, error) and with the refusal as
+        its error: its outcome still lands, and the reason is on the row.
+        """
+        try:
+            await store.apply(self._db, folded.updates, folded.attempts, folded.now, shard_of,
+                              next_after(folded.clock_now))
+        except Rejected as exc:
+            ids = sorted({u.execution_id for u in folded.updates}
+                         | {a.execution_id for a in folded.attempts})
+            if len(ids) == 1:
+                await self._apply_stripped(folded, ids[0], exc)
+                return
+            half = set(ids[:len(ids) // 2])
+            for part in (half, set(ids) - half):
+                await self._apply(_Folded([u for u in folded.updates if u.execution_id in part],
+                                          [a for a in folded.attempts if a.execution_id in part],
+                                          folded.now, folded.clock_now))
+
+    async def _apply_stripped(self, folded: _Folded, execution_id: str, exc: Rejected) -> None:
+        error = row_error("EventRejected", str(exc))
+        log.error("event_rejected", execution_id=execution_id, error=str(exc))
+        updates = [msgspec.structs.replace(u, lease_owner=None, result=None, error=error)
+                   for u in folded.updates]
+        attempts = [msgspec.structs.replace(a, worker_id=None, error=error)
+                    for a in folded.attempts]
+        try:
+            await store.apply(self._db, updates, attempts, folded.now, shard_of,
+                              next_after(folded.clock_now))
+        except Rejected as again:  # nothing of it can be stored: say so and go on
+            log.error("event_dropped", execution_id=execution_id, error=str(again))
 
 
 def _lanes(events: list[tuple[str, Event]]) -> list[list[Event]]:

@@ -30,6 +30,15 @@ class Due(msgspec.Struct, frozen=True):
     settled: asyncio.Event = msgspec.field(default_factory=asyncio.Event)
 
 
+class Reject(msgspec.Struct, frozen=True):
+    """Due rows one shard could not load, each with why (shard actor -> dispatcher)."""
+
+    shard_id: int
+    revision: int
+    keys: list[DueKey]
+    errors: list[str]  # JSON text, one per key
+
+
 class Publish(msgspec.Struct, frozen=True):
     """Committed executions of one pool, to put on its ready stream (dispatcher -> pool queue)."""
 

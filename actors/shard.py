@@ -22,8 +22,9 @@ from datetime import UTC, datetime, timedelta
 
 from herdwick import logs
 from herdwick.actors.base import Actor, Tick
-from herdwick.actors.messages import Due, NotifyDue
+from herdwick.actors.messages import Due, NotifyDue, Reject
 from herdwick.clock import Clock
+from herdwick.errors import row_error
 from herdwick.storage import dispatch as store
 from herdwick.storage.db import Database
 from herdwick.storage.dispatch import DueKey, DueRow
@@ -123,7 +124,11 @@ class ShardActor(Actor):
         rows = await store.load_due(self._db, self.shard_id, now + timedelta(seconds=LOOKAHEAD_S))
         self._forget_old_recent()
         added = 0
+        bad: list[DueRow] = []
         for row in rows:
+            if row.next_run_at.tzinfo is None:  # asyncpg's -infinity: no time to run it at
+                bad.append(row)
+                continue
             item = entry(to_us(row.next_run_at), row.job_id.int)
             if item in self._recent:
                 continue
@@ -133,7 +138,15 @@ class ShardActor(Actor):
                     self._retries[item] = row
         self._next_load_us = to_us(now) + int(LOAD_INTERVAL_S * 1e6)
         self._load_due_since_us = None
+        if bad:
+            await self._reject(bad)
         return added
+
+    async def _reject(self, rows: list[DueRow]) -> None:
+        keys = [DueKey(self.shard_id, r.next_run_at, r.job_id) for r in rows]
+        error = row_error("UnloadableDueRow", "its due time is not a finite time")
+        await self._dispatcher.send(Reject(self.shard_id, self.revision, keys,
+                                           [error] * len(keys)))
 
     def _push(self, item: int) -> bool:
         if item in self._members:

@@ -12,7 +12,7 @@ grace period.
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from herdwick import logs
 from herdwick import schedule as sched
@@ -20,7 +20,7 @@ from herdwick.actors.base import Actor, Tick
 from herdwick.actors.messages import Publish
 from herdwick.actors.shard import to_us
 from herdwick.clock import Clock
-from herdwick.errors import StorageUnavailable
+from herdwick.errors import StorageUnavailable, row_error
 from herdwick.storage import sweep as store
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier, ReadyExecution
@@ -78,6 +78,7 @@ class Sweeper(Actor):
         hot = await self._hot.hot_attempts([(r.pool, str(r.execution_id)) for r in rows])
         missing = [r for r, attempt in zip(rows, hot, strict=True)
                    if attempt is None or attempt < r.attempt]
+        missing = await self._drop_unpublishable(missing, now)
         if not missing:
             return 0
         bumped = await store.bump(self._db, missing, None if self._db_now else now)
@@ -93,6 +94,21 @@ class Sweeper(Actor):
         log.warning("executions_republished", count=count, everything=everything)
         self.republished += count
         return count
+
+
+    async def _drop_unpublishable(self, rows: list[store.Unfinished],
+                                  now: datetime) -> list[store.Unfinished]:
+        """Rows that cannot go on a stream (no finite scheduled_for) end dead, with why."""
+        bad = [r for r in rows if r.scheduled_for.tzinfo is None]  # asyncpg's infinities
+        if not bad:
+            return rows
+        for row in bad:
+            log.error("row_rejected", execution_id=row.execution_id, job_id=row.job_id,
+                      tenant_id=row.tenant_id, reason="scheduled_for is not a finite time")
+        await store.fail(self._db, bad, row_error("UnpublishableExecution",
+                                                  "its scheduled_for is not a finite time"),
+                         None if self._db_now else now)
+        return [r for r in rows if r.scheduled_for.tzinfo is not None]
 
 
 def _ready(row: store.Unfinished, attempt: int) -> ReadyExecution:

@@ -14,6 +14,7 @@ from herdwick.errors import (
     InvalidInput,
     NotFound,
     QuotaExceeded,
+    Rejected,
     StorageUnavailable,
 )
 from herdwick.model import FieldError, Problem
@@ -87,6 +88,12 @@ def _from_domain(exc: Exception) -> HttpProblem | None:
         case QuotaExceeded():
             return HttpProblem(429, "quota-exceeded", "Quota exceeded", str(exc),
                                headers={"Retry-After": str(exc.retry_after_s)})
+        case Rejected():
+            # What a request carried got past our checks and Postgres refused it: the
+            # request's fault, not the server's, but a check is missing: log it.
+            return HttpProblem(422, "rejected", "Invalid request",
+                               "the database refused a value of this request; nothing was "
+                               "written")
         case StorageUnavailable():
             return HttpProblem(503, "storage-unavailable", "Storage unavailable",
                                "storage is unavailable; nothing was written, retry later",
@@ -114,6 +121,8 @@ async def problem_middleware(request: web.Request, handler) -> web.StreamRespons
     except Exception as exc:
         mapped = _from_domain(exc)
         if mapped is not None:
+            if isinstance(exc, Rejected):
+                log.warning("request_rejected", path=request.path, error=str(exc))
             if mapped.problem.status >= 500:
                 log.warning("request_failed", status=mapped.problem.status, path=request.path,
                             error=exc)

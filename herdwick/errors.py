@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from herdwick.model import FieldError
+
+ROW_ERROR_MESSAGE_MAX = 1_000
+_encode = msgspec.json.Encoder().encode
+
+
+def row_error(kind: str, exc: BaseException | str) -> str:
+    """What is recorded on a row an actor could not process: {"type", "message"}, JSON text."""
+    message = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return _encode({"type": kind, "message": message[:ROW_ERROR_MESSAGE_MAX]}).decode()
 
 
 class HerdwickError(Exception):
@@ -16,6 +27,11 @@ class StorageUnavailable(HerdwickError):
     dropped during a commit; every write path is safe to retry (idempotency
     keys, ON CONFLICT guards).
     """
+
+
+class Rejected(HerdwickError):
+    """Postgres refused what a statement carried (a value out of range, a check that
+    failed): the same statement would fail again, so callers isolate the row, not retry."""
 
 
 class NotFound(HerdwickError):

@@ -11,7 +11,7 @@ from typing import TypeVar
 import asyncpg
 
 from herdwick import logs
-from herdwick.errors import StorageUnavailable
+from herdwick.errors import Rejected, StorageUnavailable
 
 log = logs.get("herdwick.storage")
 
@@ -35,13 +35,26 @@ _UNAVAILABLE = (
 )
 
 
+# What "this data is refused" looks like: data exceptions (22xxx: out of range,
+# NUL in text, bad encoding), integrity violations (23xxx) and program limits
+# (54xxx: a value too large to index). asyncpg raises DataError for a value it
+# cannot encode, too.
+_REJECTED = (
+    asyncpg.DataError,
+    asyncpg.IntegrityConstraintViolationError,
+    asyncpg.exceptions.ProgramLimitExceededError,
+)
+
+
 @contextlib.contextmanager
 def translated() -> object:
-    """Turn driver-level unavailability into StorageUnavailable."""
+    """Turn driver-level unavailability into StorageUnavailable, refused data into Rejected."""
     try:
         yield
     except _UNAVAILABLE as exc:
         raise StorageUnavailable(f"postgres unavailable: {type(exc).__name__}: {exc}") from exc
+    except _REJECTED as exc:
+        raise Rejected(f"postgres refused it: {type(exc).__name__}: {exc}") from exc
 
 
 async def retrying(attempt: Callable[[], Awaitable[T]]) -> T:

@@ -67,6 +67,14 @@ class Retry(msgspec.Struct, frozen=True):
     job_id: uuid.UUID
 
 
+class Failed(msgspec.Struct, frozen=True):
+    """A claimed row that could not be processed, and why (JSON text): fail_claimed records it."""
+
+    row: Claimed
+    error: str
+    new_execution_id: uuid.UUID  # the dead execution of a new occurrence (unused for a retry)
+
+
 class Plan(msgspec.Struct, kw_only=True):
     """What to write for a set of claimed rows, decided by the scheduler's pure planner."""
 
@@ -75,6 +83,7 @@ class Plan(msgspec.Struct, kw_only=True):
     job_next: list[tuple[uuid.UUID, datetime | None]] = []
     retries: list[Retry] = []
     replace: list[tuple[uuid.UUID, datetime]] = []  # overlap replace: (job, new scheduled_for)
+    failed: list[Failed] = []
 
 
 class Queued(msgspec.Struct, frozen=True):
@@ -91,6 +100,7 @@ class Dispatched(msgspec.Struct, kw_only=True):
     claimed: list[Claimed]
     queued: list[Queued]
     replaced: list[tuple[uuid.UUID, uuid.UUID]] = []  # (execution, job) canceled by a newer one
+    failed: int = 0  # claimed rows recorded as failed (fail_claimed)
 
 
 class DueKey(msgspec.Struct, frozen=True):
@@ -149,9 +159,44 @@ async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
                 q("replace_previous"), [j for j, _ in decided.replace],
                 [t for _, t in decided.replace], now)]
         out = await conn.fetch(q("finish_dispatch"), now, *_finish_args(decided))
+        if decided.failed:
+            await conn.execute(q("fail_claimed"), now, *_failed_args(decided.failed))
     queued = [Queued(r["execution_id"], r["job_id"], r["scheduled_for"], r["attempt"])
               for r in out]
-    return Dispatched(held=held, claimed=claimed, queued=queued, replaced=replaced)
+    return Dispatched(held=held, claimed=claimed, queued=queued, replaced=replaced,
+                      failed=len(decided.failed))
+
+
+async def reject(db: Database, node_id: str, revisions: dict[int, int], keys: list[DueKey],
+                 errors: list[str], now: datetime | None,
+                 new_id: Callable[[], uuid.UUID]) -> int:
+    """Claim these due rows (fenced, as dispatch does) and record each as failed with its error.
+
+    For rows that a dispatch transaction cannot write at all, or that cannot
+    even be loaded: they leave the due index with the reason on their
+    execution, rather than failing every batch they are in. Returns how many
+    were recorded.
+    """
+    why = {(k.shard_id, k.job_id, k.next_run_at): e for k, e in zip(keys, errors, strict=True)}
+    shards = sorted(revisions)
+    async with db.transaction() as conn:
+        rows = await conn.fetch(
+            q("claim_due"), node_id, shards, [revisions[s] for s in shards], now,
+            [k.shard_id for k in keys], [due_minute(k.next_run_at) for k in keys],
+            [k.next_run_at for k in keys], [k.job_id for k in keys])
+        claimed = [_claimed(r) for r in rows if r["job_id"] is not None]
+        failed = [Failed(c, why.get((c.shard_id, c.job_id, c.next_run_at), errors[0]), new_id())
+                  for c in claimed]
+        if not failed:
+            return 0
+        return await conn.fetchval(q("fail_claimed"), now, *_failed_args(failed))
+
+
+def _failed_args(failed: list[Failed]) -> tuple[list, ...]:
+    return ([f.row.job_id for f in failed], [f.row.execution_id for f in failed],
+            [f.row.scheduled_for if f.row.execution_id else f.row.next_run_at for f in failed],
+            [f.new_execution_id for f in failed], [f.row.tenant_id for f in failed],
+            [f.error for f in failed])
 
 
 def _finish_args(plan: Plan) -> tuple[list, ...]:

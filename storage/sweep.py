@@ -37,3 +37,11 @@ async def bump(db: Database, rows: list[Unfinished], now: datetime | None) -> di
         out = await conn.fetch(q("bump_attempts"), [r.execution_id for r in rows],
                                [r.scheduled_for for r in rows], [r.attempt for r in rows], now)
     return {r["execution_id"]: r["attempt"] for r in out}
+
+
+async def fail(db: Database, rows: list[Unfinished], error: str, now: datetime | None) -> int:
+    """Dead, with `error` (JSON text): executions the sweeper cannot republish."""
+    async with db.connection() as conn:
+        return await conn.fetchval(q("fail_executions"), [r.execution_id for r in rows],
+                                   [r.scheduled_for for r in rows], [r.attempt for r in rows],
+                                   error, now)

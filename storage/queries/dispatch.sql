@@ -111,3 +111,42 @@ FROM unnest($1::uuid[], $2::timestamptz[]) AS r(job_id, scheduled_for)
 WHERE e.job_id = r.job_id AND e.scheduled_for < r.scheduled_for
   AND e.state IN ('queued', 'running', 'retry_wait')
 RETURNING e.execution_id, e.job_id;
+
+-- name: fail_claimed
+-- Due rows that a dispatch transaction claimed but could not process (a stored
+-- schedule that no longer evaluates, a value Postgres refuses): each is
+-- recorded, not retried for ever. A new occurrence becomes a dead execution
+-- carrying the error ($7, JSON), at its due time when that is a finite time,
+-- else at $1; a retry's execution goes dead with it. A one-off job is then
+-- completed; a cron job keeps its state but has no next run until it is
+-- changed or resumed (its dead execution says why).
+WITH f AS (
+    SELECT * FROM unnest($2::uuid[], $3::uuid[], $4::timestamptz[], $5::uuid[], $6::uuid[],
+                         $7::text[])
+         AS f(job_id, execution_id, scheduled_for, new_execution_id, tenant_id, error)
+), dead_new AS (
+    INSERT INTO executions (execution_id, job_id, tenant_id, scheduled_for, attempt, state,
+                            queued_at, finished_at, error)
+    SELECT new_execution_id, job_id, tenant_id,
+           CASE WHEN isfinite(scheduled_for) THEN scheduled_for ELSE coalesce($1, now()) END,
+           1, 'dead', coalesce($1, now()), coalesce($1, now()), error::jsonb
+    FROM f WHERE execution_id IS NULL
+    ON CONFLICT (job_id, scheduled_for) DO NOTHING
+    RETURNING job_id
+), dead_retry AS (
+    UPDATE executions e SET state = 'dead', finished_at = coalesce($1, now()),
+                            error = f.error::jsonb
+    FROM f
+    WHERE e.execution_id = f.execution_id AND e.scheduled_for = f.scheduled_for
+      AND e.state = 'retry_wait'
+    RETURNING e.job_id
+), one_offs AS (
+    UPDATE jobs SET state = 'completed', next_run_at = NULL, version = version + 1,
+                    updated_at = coalesce($1, now())
+    WHERE job_id IN (SELECT job_id FROM f) AND state = 'active' AND schedule->>'cron' IS NULL
+), crons AS (
+    UPDATE jobs SET next_run_at = NULL, updated_at = coalesce($1, now())
+    WHERE job_id IN (SELECT job_id FROM f WHERE execution_id IS NULL)
+      AND state = 'active' AND schedule->>'cron' IS NOT NULL
+)
+SELECT (SELECT count(*) FROM dead_new) + (SELECT count(*) FROM dead_retry) AS recorded;

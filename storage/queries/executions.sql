@@ -124,3 +124,23 @@ WITH bumped AS (
       AND a.outcome = 'running'
 )
 SELECT execution_id, attempt FROM bumped;
+
+-- name: fail_executions
+-- Executions an actor could not process (the sweeper could not republish one,
+-- say): dead with the error $4 (JSON), fenced by attempt, and a one-off job
+-- completed, so the row stops coming back and its owner can read why.
+WITH failed AS (
+    UPDATE executions e SET state = 'dead', finished_at = coalesce($5, now()),
+                            error = $4::jsonb, lease_owner = NULL, lease_until = NULL
+    FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[])
+         AS f(execution_id, scheduled_for, attempt)
+    WHERE e.execution_id = f.execution_id AND e.scheduled_for = f.scheduled_for
+      AND e.attempt = f.attempt AND e.state IN ('queued', 'running')
+    RETURNING e.job_id
+), completed AS (
+    UPDATE jobs SET state = 'completed', next_run_at = NULL, version = version + 1,
+                    updated_at = coalesce($5, now())
+    WHERE job_id IN (SELECT job_id FROM failed) AND state = 'active'
+      AND schedule->>'cron' IS NULL
+)
+SELECT count(*) FROM failed;

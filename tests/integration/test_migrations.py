@@ -10,6 +10,7 @@ import pytest
 
 from herdwick.errors import SchemaOutOfDate
 from herdwick.storage import migrate
+from herdwick.storage.sql import q
 from tests.services import Services, with_database
 
 EXPECTED_TABLES = {
@@ -79,3 +80,31 @@ async def test_partitions_are_created_ahead_and_rescue_default_rows(db) -> None:
         assert await conn.fetchval("SELECT count(*) FROM executions_20310504") == 1
         assert await conn.fetchval(
             "SELECT herdwick_ensure_execution_partitions('2031-05-03', 3)") == 0
+
+
+async def test_infinite_due_times_of_earlier_releases_become_due_at_once(empty_db: str) -> None:
+    """runAt 0001-01-01 was stored as -infinity; after 0002 it runs as a past runAt does."""
+    first = migrate.available()[0]
+    conn = await asyncpg.connect(empty_db)
+    try:
+        await conn.execute("SET TIME ZONE 'UTC'")
+        await conn.execute(first.path.read_text())
+        await conn.execute(q("migrations_table"))
+        await conn.execute(q("migrations_record"), first.version, first.name)
+        tenant, job = uuid.uuid4(), uuid.uuid4()
+        await conn.execute("INSERT INTO tenants (tenant_id, name, signing_secret) "
+                           "VALUES ($1, 't', 's')", tenant)
+        await conn.execute(
+            "INSERT INTO jobs (job_id, tenant_id, name, target_type, target_ref, pool, payload, "
+            "schedule, max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, "
+            "updated_at) VALUES ($1, $2, 'j', 'queue', 'q', 'q', 'null', '{}', 1, 1, 1, "
+            "'active', '-infinity', now(), now())", job, tenant)
+        await conn.execute("INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id) "
+                           "VALUES (3, '-infinity', '-infinity', $1)", job)
+        await migrate.apply(empty_db)
+        due = await conn.fetchrow("SELECT due_minute::text, next_run_at::text FROM due_index")
+        next_run = await conn.fetchval("SELECT next_run_at::text FROM jobs")
+    finally:
+        await conn.close()
+    assert tuple(due) == ("1970-01-01 00:00:00+00", "1970-01-01 00:00:00+00")
+    assert next_run == "1970-01-01 00:00:00+00"
