@@ -115,13 +115,16 @@ def _fold_update(update: ExecutionUpdate, event: Event, state: str, error: str |
         update.lease_owner = event.worker_id
         update.lease_until_ms = event.lease_until_ms
         update.started_ms = update.started_ms or event.at_ms
-    elif event.type == "completed":
-        update.result = _jsonb(event.result)
-        update.finished_ms = event.at_ms
     else:
-        update.error = error
+        # An outcome says when its attempt started: its `leased` event may be applied
+        # later, or by another node, and an execution must not end without a start.
+        update.started_ms = update.started_ms or event.started_ms
         update.finished_ms = event.at_ms
-        update.retry_at = _at(event.retry_at_ms)
+        if event.type == "completed":
+            update.result = _jsonb(event.result)
+        else:
+            update.error = error
+            update.retry_at = _at(event.retry_at_ms)
 
 
 def _fold_attempt(rows: dict, event: Event, scheduled_for: datetime,
@@ -136,6 +139,7 @@ def _fold_attempt(rows: dict, event: Event, scheduled_for: datetime,
     if event.type == "leased":
         row.started_ms = row.started_ms or event.at_ms
     else:
+        row.started_ms = row.started_ms or event.started_ms
         row.finished_ms = event.at_ms
         row.error = error or row.error
 

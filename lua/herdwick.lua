@@ -9,9 +9,10 @@ the pool's slot). Derived keys:
   base..':ready'     stream of executions ready to lease (consumer group `workers`)
   base..':x:'..id    hash: hot state of execution `id`: attempt, state, job_id,
                      tenant_id, scheduled_for, timeout_seconds, max_attempts,
-                     backoff_ms (from hw_publish); lease_owner, lease_until (ms)
-                     and retry_at (ms) from the lease functions. The lease
-                     fields mean something only while state is `leased`.
+                     backoff_ms (from hw_publish); lease_owner, lease_until (ms),
+                     leased_at (ms, the attempt's first lease) and retry_at (ms)
+                     from the lease functions. The lease fields mean something
+                     only while state is `leased`.
   base..':leases'    sorted set: execution id, scored by lease_until (ms), for hw_expire
   base..':events'    stream of what happened, read by the scheduler's event actor
 States: ready (published), leased, retry_wait, dead, done, canceled.
@@ -29,15 +30,18 @@ second.) An event is a JSON object whose values are strings: type,
 execution_id, attempt, job_id, tenant_id, scheduled_for, worker_id, at_ms,
 and by type:
   leased     lease_until_ms
-  completed  result (JSON text as the worker gave it)
+  completed  result (JSON text as the worker gave it), started_ms
   failed     error (JSON text), retryable ('0'|'1'), outcome ('retry'|'dead'),
-             retry_at_ms (only when outcome is retry)
+             retry_at_ms (only when outcome is retry), started_ms
+(started_ms, from library version 8: when the attempt was first leased, so an
+outcome read before its `leased` event, by another consumer, still says when
+the attempt started.)
   expired    as failed; error {"type":"LeaseExpired","message":"lease expired"}, retryable '1',
              worker_id the owner whose lease lapsed
   canceled   nothing more (worker_id is the holder's, '' if none)
 ]]
 
-local LIBRARY_VERSION = '7'
+local LIBRARY_VERSION = '8'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- done, dead and canceled hashes linger this long so a late duplicate call
 -- still meets its execution (and gets LEASE_LOST), then they go.
@@ -106,7 +110,7 @@ local LEASE_LOST = {ok = 'LEASE_LOST'}  -- status replies, as redis.status_reply
 local OK = {ok = 'OK'}
 local DEAD = {ok = 'DEAD'}
 local HOT_FIELDS = {'attempt', 'state', 'lease_owner', 'lease_until', 'job_id', 'tenant_id',
-                    'scheduled_for', 'max_attempts', 'backoff_ms'}
+                    'scheduled_for', 'max_attempts', 'backoff_ms', 'leased_at'}
 
 -- A malformed argument is the caller's bug, not a lost lease: an error reply.
 local function bad_arg(fn, what)
@@ -175,6 +179,10 @@ local function emit(base, kind, execution_id, h, worker_id, now, extra, into)
                  job_id = h.job_id or '', tenant_id = h.tenant_id or '',
                  scheduled_for = h.scheduled_for or '', worker_id = worker_id or '',
                  at_ms = fmt(now)}
+  -- An outcome of a leased attempt: leased_at is this attempt's (set at its first lease).
+  if (kind == 'completed' or kind == 'failed' or kind == 'expired') and h.leased_at then
+    event.started_ms = h.leased_at
+  end
   for i = 1, #extra, 2 do
     event[extra[i]] = extra[i + 1]
   end
@@ -268,8 +276,12 @@ local function lease_one(base, worker_id, lease_ms, execution_id, attempt, now, 
     return LEASE_LOST
   end
   local lease_until = now + lease_ms
-  redis.call('HSET', hot, 'state', 'leased', 'lease_owner', worker_id,
-             'lease_until', fmt(lease_until))
+  if first then
+    redis.call('HSET', hot, 'state', 'leased', 'lease_owner', worker_id,
+               'lease_until', fmt(lease_until), 'leased_at', fmt(now))
+  else
+    redis.call('HSET', hot, 'lease_until', fmt(lease_until))
+  end
   redis.call('ZADD', base .. ':leases', lease_until, execution_id)
   if first then
     emit(base, 'leased', execution_id, h, worker_id, now, {'lease_until_ms', fmt(lease_until)},

@@ -49,6 +49,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
     retryable: bool | None = None  # failed, expired
     outcome: str | None = None  # failed, expired: retry | dead
     retry_at_ms: int | None = None  # failed, expired with outcome retry
+    started_ms: int | None = None  # completed, failed, expired: the attempt's first lease
     stream_id: str = ""  # the entry's id, for ack_events (a batch call's events share one)
 
 

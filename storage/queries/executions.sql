@@ -43,14 +43,26 @@ WITH u AS (  -- times arrive as Redis milliseconds
     RETURNING e.execution_id, e.job_id, u.state, u.retry_shard, u.retry_minute, u.retry_at,
               e.scheduled_for, e.attempt
 ), attempts AS (
+    -- A `leased` event may be applied after its execution moved on to a later
+    -- attempt (another node applied the later events first): that attempt is
+    -- over, and is recorded so, not left running for good.
     INSERT INTO execution_attempts AS a (execution_id, attempt, scheduled_for, worker_id,
                                          started_at, finished_at, outcome, error)
     SELECT execution_id, attempt, scheduled_for, worker_id, to_timestamp(started_ms / 1000.0),
-           to_timestamp(finished_ms / 1000.0), outcome, error
-    FROM unnest($15::uuid[], $16::integer[], $17::timestamptz[], $18::text[], $19::bigint[],
-                $20::bigint[], $21::text[], $22::text[]::jsonb[])
-         AS r(execution_id, attempt, scheduled_for, worker_id, started_ms, finished_ms, outcome,
-              error)
+           CASE WHEN superseded THEN coalesce($23, now())
+                ELSE to_timestamp(finished_ms / 1000.0) END,
+           CASE WHEN superseded THEN 'expired' ELSE outcome END,
+           CASE WHEN superseded
+                THEN '{"type": "Superseded", "message": "a later attempt replaced this one"}'
+                ELSE error END
+    FROM (SELECT r.*, r.outcome = 'running' AND EXISTS (
+                     SELECT 1 FROM executions e
+                     WHERE e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
+                       AND e.attempt > r.attempt) AS superseded
+          FROM unnest($15::uuid[], $16::integer[], $17::timestamptz[], $18::text[],
+                      $19::bigint[], $20::bigint[], $21::text[], $22::text[]::jsonb[])
+               AS r(execution_id, attempt, scheduled_for, worker_id, started_ms, finished_ms,
+                    outcome, error)) s
     ON CONFLICT (execution_id, attempt) DO UPDATE SET
         worker_id = coalesce(a.worker_id, EXCLUDED.worker_id),
         started_at = coalesce(a.started_at, EXCLUDED.started_at),

@@ -503,3 +503,77 @@ async def test_a_dead_nodes_unapplied_events_are_claimed_and_applied(
                               idle=STALE_MS + 1)
     assert await node.events.claim_stale() == 2
     assert (await execution(api, eid))["state"] == "succeeded"
+
+
+async def _stream_events(redis_client, key_prefix) -> list:
+    """Every event on the pool's events stream, in order, without consuming any."""
+    from herdwick.storage.protocol import _events
+
+    entries = await redis_client.xrange(keys.events_stream(key_prefix, POOL))
+    return [e for stream_id, fields in entries for e in _events(stream_id, fields)]
+
+
+async def test_an_outcome_applied_before_its_lease_still_says_when_it_started(
+        api, schedulers, protocol, redis_client, key_prefix, clock, db) -> None:
+    """Two scheduler nodes share the events stream: one may apply a completion whose
+    `leased` event the other has read and not yet applied."""
+    from herdwick.actors.executions import collapse
+    from herdwick.ids import shard_of
+    from herdwick.storage import executions as store
+
+    await submit(api, schedule={"delaySeconds": 1})
+    node = await schedulers()
+    await node._core.stop("execution-events")  # this test applies the events itself
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    leased_until = await protocol.lease(POOL, "w", 30, eid, 1)
+    await protocol.complete(POOL, eid, 1, "w", "{}")
+    leased, completed = await _stream_events(redis_client, key_prefix)
+    assert (leased.type, completed.type) == ("leased", "completed")
+    assert completed.started_ms == leased.at_ms
+
+    for batch in ([completed], [leased]):  # the completion first, then the late lease
+        updates, attempts = collapse(batch)
+        await store.apply(db, updates, attempts, clock.now(), shard_of, lambda *_: None)
+    found = await execution(api, eid)
+    assert found["state"] == "succeeded"
+    started = datetime.fromisoformat(found["startedAt"])
+    assert round(started.timestamp() * 1000) == leased.at_ms == leased_until - 30_000
+    assert found["attempts"][0]["startedAt"] == found["startedAt"]
+
+
+async def test_a_lease_applied_after_a_later_attempt_is_not_left_running(
+        api, schedulers, protocol, redis_client, key_prefix, clock, db) -> None:
+    """Redis lost the attempt a worker had leased, and the sweeper republished it as the
+    next; the `leased` event of the lost attempt, read by a node before the loss, lands
+    after that. The lost attempt is over, and its row says so."""
+    from herdwick.actors.executions import collapse
+    from herdwick.ids import shard_of
+    from herdwick.storage import executions as store
+
+    await submit(api, schedule={"delaySeconds": 1})
+    node = await schedulers()
+    await node._core.stop("execution-events")  # this test applies the events itself
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    await protocol.lease(POOL, "w1", 30, eid, 1)
+    [leased_1] = await _stream_events(redis_client, key_prefix)
+    await redis_client.delete(keys.hot_state(key_prefix, POOL, eid))  # lost with Redis
+    clock.advance(60)  # past the sweeper's grace
+    assert await node.sweeper.run_once() == 1
+    await node.settle()
+    assert (await latest(redis_client, key_prefix))["attempt"] == "2"
+    updates, attempts = collapse([leased_1])
+    await store.apply(db, updates, attempts, clock.now(), shard_of, lambda *_: None)
+    await protocol.lease(POOL, "w2", 30, eid, 2)
+    await protocol.complete(POOL, eid, 2, "w2", "{}")
+    events = await _stream_events(redis_client, key_prefix)
+    updates, attempts = collapse(events[-2:])
+    await store.apply(db, updates, attempts, clock.now(), shard_of, lambda *_: None)
+
+    found = await execution(api, eid)
+    assert (found["state"], found["attempt"]) == ("succeeded", 2)
+    first, second = found["attempts"]
+    assert (first["outcome"], first["workerId"]) == ("expired", "w1")
+    assert first["error"]["type"] == "Superseded" and first["finishedAt"] is not None
+    assert (second["outcome"], second["workerId"]) == ("succeeded", "w2")
