@@ -81,6 +81,24 @@ SELECT count(*) FILTER (WHERE state = 'succeeded' AND job_id < $1),
        count(*) FILTER (WHERE state = 'succeeded' AND job_id >= $1)
 FROM executions"""
 _XACTS_SQL = "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+# Gaps in the history an owner reads: a success that never started, an attempt
+# left running after its execution moved on.
+_HISTORY_SQL = """
+SELECT (SELECT count(*) FROM executions WHERE state = 'succeeded' AND started_at IS NULL),
+       (SELECT count(*) FROM execution_attempts a
+        JOIN executions e USING (execution_id, scheduled_for)
+        WHERE a.outcome = 'running' AND (e.state <> 'running' OR e.attempt <> a.attempt))"""
+
+
+class History(msgspec.Struct, frozen=True, kw_only=True):
+    """What the run's history shows that it should not; both 0 in a sound run."""
+
+    succeeded_without_start: int
+    attempts_left_running: int
+
+    @property
+    def sound(self) -> bool:
+        return self.succeeded_without_start == 0 and self.attempts_left_running == 0
 
 
 class Steady(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,6 +143,7 @@ class Report(msgspec.Struct, kw_only=True):
     # Without the tool's own polls, samples and the steady jobs' inserts and notifies.
     pg_transactions_per_execution: float
     redis_commands_per_execution: float
+    history: History
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,6 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "postgresql://postgres@127.0.0.1:5432/postgres")
     a("--redis-url", default=os.environ.get("HERDWICK_REDIS_URL", "redis://127.0.0.1:6379/0"),
       help="default $HERDWICK_REDIS_URL, else redis://127.0.0.1:6379/0")
+    a("--keep", action="store_true",
+      help="keep the scratch database (its name is printed) to inspect the history")
     a("--json", action="store_true", help="the report as JSON")
 
 
@@ -347,7 +368,7 @@ async def run(args: argparse.Namespace, progress: Progress) -> Report:
     deadline = time.monotonic() + plan.timeout_s
     client = aioredis.from_url(args.redis_url)
     try:
-        async with scratch_database(args.database_url, name, False, progress) as dsn:
+        async with scratch_database(args.database_url, name, args.keep, progress) as dsn:
             # the steady generator inserts for every tenant at once, beside the polls
             db = await Database.connect(dsn, max_size=8 + plan.tenants)
             try:
@@ -407,6 +428,7 @@ async def _measure(args, plan, db, dsn, client, prefix, pool, deadline, progress
             lags = {row["steady"]: LeaseLag(ms=_percentiles(row["lag_ms"]),
                                             last_due=row["last_due"])
                     for row in await conn.fetch(_LAG_SQL, steady_from)}
+            unstarted, left_running = await conn.fetchrow(_HISTORY_SQL)
     herd_lag, steady_lag = lags.get(False), lags.get(True)
     after_due = None if due is None else outcomes.herd_done_at - due.timestamp()
     executions = plan.jobs + background.made
@@ -425,7 +447,8 @@ async def _measure(args, plan, db, dsn, client, prefix, pool, deadline, progress
         steady=None if steady_lag is None else _steady(plan, outcomes, background, steady_lag),
         streams=sampler.result(),
         pg_transactions_per_execution=round(xacts / executions, 3),
-        redis_commands_per_execution=round(commands / executions, 3))
+        redis_commands_per_execution=round(commands / executions, 3),
+        history=History(succeeded_without_start=unstarted, attempts_left_running=left_running))
 
 
 class LeaseLag(msgspec.Struct, frozen=True):
@@ -478,6 +501,9 @@ def render_text(r: Report) -> str:
         "database, idle shard loads included),",
         f"    {r.redis_commands_per_execution} Redis commands (server-wide); the tool's own "
         "polls and the steady jobs' inserts left out",
+        f"  history: {r.history.succeeded_without_start} succeeded without a start time, "
+        f"{r.history.attempts_left_running} attempts left running"
+        + ("" if r.history.sound else "  <- GAPS"),
     ]
     return "\n".join(lines)
 
@@ -490,4 +516,4 @@ async def command(args: argparse.Namespace) -> int:
     finally:
         ticker.cancel()
     print(msgspec.json.encode(report).decode() if args.json else render_text(report))
-    return 0
+    return 0 if report.history.sound else 1

@@ -27,9 +27,11 @@ def assert_ordered(lag: dict[str, float]) -> None:
 
 
 async def test_a_tiny_herd_goes_through_real_workers(services) -> None:
-    args = e2e_args(services, "--jobs", "300", "--due-in", "3")
+    # Two schedulers share the events stream: the history must still have no gaps.
+    args = e2e_args(services, "--jobs", "300", "--due-in", "3", "--schedulers", "2")
     report = await e2e.run(args, Progress(None))
     assert report.succeeded == report.jobs == 300
+    assert report.history == e2e.History(succeeded_without_start=0, attempts_left_running=0)
     assert report.lease_lag_ms is not None
     assert_ordered(report.lease_lag_ms)
     assert report.steady is None
