@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from datetime import datetime
 
 import msgspec
 from aiohttp import web
@@ -181,19 +182,26 @@ def _resumer(now):
             return None
         if job.state != "paused":
             raise Conflict(f"a {job.state} job cannot be resumed")
-        when = resume_time(schedule, job, now)
+        when, skipped = resume_plan(schedule, job, now)
         return Transition(state="active", next_run_at=when,
-                          add_due=(shard_of(job.job_id), when), unpark_retries=True)
+                          add_due=(shard_of(job.job_id), when), unpark_retries=True,
+                          skipped=tuple(skipped))
     return decide
 
 
-def resume_time(schedule: Schedule, job: Job, now):
-    """Where a resumed job picks up: its pending time, or per misfire policy if that passed."""
+def resume_plan(schedule: Schedule, job: Job, now) -> tuple[datetime, list[datetime]]:
+    """Where a resumed job picks up, and the occurrences its misfire policy skips.
+
+    Its pending time if that is still ahead. Else, for a cron job, the misfire
+    policy over what fell due while it was paused: skip runs the latest and
+    skips the rest, catch_up runs the latest hundred; those it skips are
+    recorded as skipped executions, as after a scheduler's downtime.
+    """
     pending = job.next_run_at
     if pending is None or pending > now or schedule.cron is None:
-        return pending if pending is not None else now
-    to_run, _skipped = sched.misfire_plan(schedule, pending, now, job_id=job.job_id)
-    return to_run[0] if to_run else pending
+        return (pending if pending is not None else now), []
+    to_run, skipped = sched.misfire_plan(schedule, pending, now, job_id=job.job_id)
+    return (to_run[0] if to_run else pending), skipped
 
 
 def _cancel(job: Job, schedule: Schedule) -> Transition | None:

@@ -11,6 +11,7 @@ import asyncpg
 import msgspec
 
 from herdwick.errors import NotFound, QuotaExceeded
+from herdwick.ids import uuid7
 from herdwick.model import Job, RetryPolicy, Schedule, ScheduleOut, Target
 from herdwick.storage.db import Database, retrying
 from herdwick.storage.sql import q
@@ -197,6 +198,7 @@ class Transition(msgspec.Struct, frozen=True, kw_only=True):
     add_due: tuple[int, datetime] | None = None  # (shard_id, next_run_at)
     unpark_retries: bool = False  # resume: retries dispatch parked while paused are due again
     cancel_executions: bool = False
+    skipped: tuple[datetime, ...] = ()  # resume: occurrences recorded as skipped executions
 
 
 class Transitioned(msgspec.Struct, frozen=True, kw_only=True):
@@ -241,6 +243,9 @@ async def _transition_once(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID
         if change.unpark_retries:
             due += [(r["shard_id"], job_id, r["next_run_at"])
                     for r in await conn.fetch(q("unpark_due_retries"), job_id)]
+        if change.skipped:
+            await conn.execute(q("insert_skipped"), [uuid7(now) for _ in change.skipped],
+                               job_id, tenant_id, list(change.skipped), now)
         if change.add_due is not None:
             shard_id, when = change.add_due
             await conn.execute(q("insert_due"), shard_id, due_minute(when), when, job_id)

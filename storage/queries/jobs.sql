@@ -116,3 +116,12 @@ RETURNING shard_id, next_run_at;
 INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)
 VALUES ($1, $2, $3, $4)
 ON CONFLICT DO NOTHING;
+
+-- name: insert_skipped
+-- Resume: the occurrences that fell due while the job was paused and that its
+-- misfire policy skips, recorded (once each) rather than silently lost.
+INSERT INTO executions (execution_id, job_id, tenant_id, scheduled_for, attempt, state,
+                        queued_at, finished_at)
+SELECT s.execution_id, $2, $3, s.scheduled_for, 1, 'skipped', $5, $5
+FROM unnest($1::uuid[], $4::timestamptz[]) AS s(execution_id, scheduled_for)
+ON CONFLICT (job_id, scheduled_for) DO NOTHING;

@@ -201,6 +201,34 @@ async def test_resume_after_missed_cron_runs_the_latest_missed_once(api: Api, cl
     resumed = await (await api.client.post(f"/v1/jobs/{job_id}:resume",
                                            headers=api.auth())).json()
     assert resumed["nextRunAt"] == "2026-12-02T17:00:00Z"
+    # The ones the misfire policy skips are recorded, not silently lost.
+    history = await (await api.client.get(f"/v1/jobs/{job_id}/executions",
+                                          headers=api.auth())).json()
+    assert [(e["scheduledFor"], e["state"]) for e in history["items"]] == [
+        (f"2026-12-02T{h}:00:00Z", "skipped") for h in (16, 15, 14, 13)]
+    again = await api.client.post(f"/v1/jobs/{job_id}:pause", headers=api.auth())
+    assert again.status == 200
+    await api.client.post(f"/v1/jobs/{job_id}:resume", headers=api.auth())
+    history = await (await api.client.get(f"/v1/jobs/{job_id}/executions",
+                                          headers=api.auth())).json()
+    assert len(history["items"]) == 4  # recorded once, however often it is resumed
+
+
+async def test_resume_with_catch_up_runs_a_hundred_and_records_the_rest(api: Api,
+                                                                        clock) -> None:
+    resp = await api.submit(make_job(schedule={"cron": "* * * * *", "misfire": "catch_up"}))
+    job_id = (await resp.json())["jobId"]
+    await api.client.post(f"/v1/jobs/{job_id}:pause", headers=api.auth())
+    clock.advance(150 * 60 + 30)  # 12:01 .. 14:30 fell due while paused: 150 of them
+    resumed = await (await api.client.post(f"/v1/jobs/{job_id}:resume",
+                                           headers=api.auth())).json()
+    assert resumed["nextRunAt"] == "2026-12-02T12:51:00Z"  # the first of the last hundred
+    history = await (await api.client.get(f"/v1/jobs/{job_id}/executions?limit=500",
+                                          headers=api.auth())).json()
+    skipped = [e["scheduledFor"] for e in history["items"]]
+    assert {e["state"] for e in history["items"]} == {"skipped"}
+    assert (len(skipped), skipped[0], skipped[-1]) == (50, "2026-12-02T12:50:00Z",
+                                                       "2026-12-02T12:01:00Z")
 
 
 async def test_unknown_and_malformed_job_ids_are_404(api: Api) -> None:
