@@ -14,6 +14,19 @@ HTTP/raw for each shape is the figure that matters: what the gateway costs.
 The API runs in its own processes (`herdwick api`), never in the load
 generator's, so that CPU seconds can be split between them. Only loopback
 addresses are accepted as targets; every loop stops by itself.
+
+With --url the HTTP phases go to an API someone else runs, into a real
+tenant's queues, so nothing they submit may run: each job is due no sooner
+than URL_DUE_AFTER_S (30 days) after its submit, is named
+`loadtest-<run>-<n>`, and every id a 201 returned is canceled through the same
+API (DELETE /v1/jobs/{jobId}) once the phases end, or when the run fails or a
+SIGINT/SIGTERM stops it (a second signal abandons that cleanup). The cleanup
+is outside every measured window. The target's database is not inspected: the
+report says how many jobs were submitted and canceled instead, and the exit
+status is 1 if any could not be. Nor is the target's Postgres CPU counted. The
+raw phases still run in a scratch database on --database-url: a like-for-like
+baseline only if the target uses that server. Canceling takes one DELETE per
+job, so after a long batch phase the cleanup takes far longer than the phases.
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ import sys
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal, TextIO
 
@@ -60,11 +73,18 @@ from herdwick.storage.tenants import create_tenant
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DELAY_SPREAD_S = 3600  # due times spread over an hour: no herd-warning path dominates
+# With --url, every due time is pushed this far out, so that nothing fires during or
+# soon after the run (a scheduler looks a minute ahead), even if the cleanup fails.
+URL_DUE_AFTER_S = 30 * 24 * 3600
 DISTINCT_BODIES = 1024  # single bodies, cycled; batch bodies are slices of them
 REQUEST_TIMEOUT_S = 30.0
 API_START_TIMEOUT_S = 30.0
 API_STOP_TIMEOUT_S = 10.0
 PROGRESS_EVERY_S = 1.0
+CLEANUP_CLIENTS = 16  # concurrent DELETEs after a run with --url
+CLEANUP_PASSES = 3  # deletes that failed transiently (5xx, 429, no answer) are retried
+CLEANUP_RETRY_PAUSE_S = 0.5  # between passes, jittered
+DELETE_TIMEOUT_S = 10.0
 OK = "ok"  # the outcome of a request that created its jobs; anything else is an error name
 
 Phase = Literal["http-single", "http-batch", "raw-single", "raw-batch"]
@@ -118,7 +138,9 @@ class Cpu(msgspec.Struct, frozen=True, kw_only=True):
 
     api_s: float | None  # every API process together; None when the tool did not start them
     loadgen_s: float  # this process
-    postgres_s: float  # this database's backends and the server's shared processes
+    # This database's backends and the server's shared processes; None when the load
+    # went to a database the tool does not know (--url).
+    postgres_s: float | None
     machine_busy_s: float  # all CPUs, every process: the rest is other work on the machine
     capacity_s: float  # CPUs x window
 
@@ -146,10 +168,32 @@ class Ratio(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class DatabaseCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """The scratch database against what the phases say they put there: every phase
+    without --url, only the raw phases with it."""
+
     jobs_expected: int  # what the phases say they created in this database
     jobs_found: int
     due_rows_found: int
     consistent: bool
+
+
+class Cleanup(msgspec.Struct, frozen=True, kw_only=True):
+    """With --url: what became of the jobs the run submitted through that API."""
+
+    job_names: str  # every job the run submitted is named so, e.g. "loadtest-1a2b3c4d-*"
+    due_after_s: float  # none was due sooner than this after its submit
+    submitted: int  # job ids the 201 answers returned
+    canceled: int  # DELETE answered 204
+    already_gone: int  # DELETE answered 404
+    failed: int  # not canceled, as far as the tool knows
+    failures: dict[str, int]  # the failed deletes by last HTTP status or exception name
+    failed_job_ids: list[str]
+    unanswered_requests: int  # submits sent with no readable answer: what they made is unknown
+    seconds: float  # wall time of the cleanup, outside every measured window
+
+    @property
+    def complete(self) -> bool:
+        return self.failed == 0 and self.unanswered_requests == 0
 
 
 class Machine(msgspec.Struct, frozen=True, kw_only=True):
@@ -167,7 +211,13 @@ class Report(msgspec.Struct, frozen=True, kw_only=True):
     machine: Machine
     phases: list[PhaseResult]
     ratios: list[Ratio]
-    database: DatabaseCheck
+    database: DatabaseCheck | None  # None: nothing went into the scratch database (--url, no raw)
+    cleanup: Cleanup | None  # None without --url: the scratch database went, jobs and all
+
+    @property
+    def passed(self) -> bool:
+        return ((self.database is None or self.database.consistent)
+                and (self.cleanup is None or self.cleanup.complete))
 
 
 # --- measuring one phase -------------------------------------------------------------------
@@ -222,7 +272,7 @@ def latency_of(samples_s: list[float]) -> Latency:
 class CpuSample(msgspec.Struct, frozen=True):
     api_s: float | None
     loadgen_s: float
-    postgres_s: dict[int, float]  # by pid: backends come and go
+    postgres_s: dict[int, float] | None  # by pid: backends come and go
     machine_busy_s: float
 
 
@@ -231,19 +281,24 @@ class CpuProbe:
 
     Postgres counts the backends of `database` (all backends when None) and the
     server's shared processes (WAL writer, checkpointer, ...); other databases'
-    backends, e.g. a test suite's on a shared server, fall into "other".
+    backends, e.g. a test suite's on a shared server, fall into "other". With
+    `postgres=False` (the load goes to a database the tool does not know) it
+    counts none: they fall into "other" too.
     """
 
-    def __init__(self, api_pids: tuple[int, ...] = (), database: str | None = None) -> None:
+    def __init__(self, api_pids: tuple[int, ...] = (), database: str | None = None, *,
+                 postgres: bool = True) -> None:
         self._api = [psutil.Process(pid) for pid in api_pids]
         self._me = psutil.Process()
         self._database = database
+        self._count_postgres = postgres
 
     def read(self) -> CpuSample:
         api = sum(_cpu_s(p.cpu_times()) for p in self._api) if self._api else None
         t = psutil.cpu_times()
         busy = t.user + t.nice + t.system + t.irq + t.softirq + t.steal
-        return CpuSample(api, _cpu_s(self._me.cpu_times()), self._postgres(), busy)
+        postgres = self._postgres() if self._count_postgres else None
+        return CpuSample(api, _cpu_s(self._me.cpu_times()), postgres, busy)
 
     def _postgres(self) -> dict[int, float]:
         # A backend that exits inside the window takes its seconds with it; the
@@ -278,7 +333,9 @@ async def _cpu_in(window: Window, probe: CpuProbe) -> Cpu:
     await _sleep_until(window.stop_at)
     after = probe.read()
     api = None if after.api_s is None or before.api_s is None else after.api_s - before.api_s
-    postgres = sum(s - before.postgres_s.get(pid, 0.0) for pid, s in after.postgres_s.items())
+    postgres = None
+    if after.postgres_s is not None and before.postgres_s is not None:
+        postgres = sum(s - before.postgres_s.get(pid, 0.0) for pid, s in after.postgres_s.items())
     return Cpu(api_s=api, loadgen_s=after.loadgen_s - before.loadgen_s, postgres_s=postgres,
                machine_busy_s=after.machine_busy_s - before.machine_busy_s,
                capacity_s=(os.cpu_count() or 1) * (window.stop_at - window.measure_from))
@@ -346,15 +403,17 @@ async def run_phase(name: Phase, concurrency: int, jobs_per_request: int, send: 
 # --- the jobs ------------------------------------------------------------------------------
 
 
-def job_bodies(count: int, seed: int = 2) -> list[dict]:
-    """Small, realistic queue jobs, due at times spread over an hour."""
+def job_bodies(count: int, seed: int = 2, *, name: str = "loadtest",
+               due_after_s: int = 0) -> list[dict]:
+    """Small, realistic queue jobs named `<name>-<i>`, due at times spread over an hour
+    (beyond `due_after_s`)."""
     rng = random.Random(seed)
     queues = ("emails", "reports", "billing", "thumbnails")
-    return [{"name": f"loadtest-{i}",
+    return [{"name": f"{name}-{i}",
              "target": {"type": "queue", "ref": queues[i % len(queues)]},
              "payload": {"user": f"user{rng.randrange(10**6)}@example.com",
                          "template": "welcome", "attempt": 1, "tags": ["a", "b"]},
-             "schedule": {"delaySeconds": rng.randrange(60, DELAY_SPREAD_S)}}
+             "schedule": {"delaySeconds": due_after_s + rng.randrange(60, DELAY_SPREAD_S)}}
             for i in range(count)]
 
 
@@ -397,46 +456,129 @@ class HttpTarget(msgspec.Struct, frozen=True):
     url: str  # e.g. http://127.0.0.1:8080
     api_key: str
 
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"}
 
-async def _post(session: aiohttp.ClientSession, path: str, body: bytes) -> str:
+
+class _Created(msgspec.Struct, rename="camel"):  # JobCreated and BatchItem: only the id
+    job_id: str
+
+
+class _BatchCreated(msgspec.Struct):
+    items: list[_Created]
+
+
+_created = msgspec.json.Decoder(_Created)
+_batch_created = msgspec.json.Decoder(_BatchCreated)
+
+
+def single_ids(answer: bytes) -> list[str]:
+    return [_created.decode(answer).job_id]
+
+
+def batch_ids(answer: bytes) -> list[str]:
+    return [item.job_id for item in _batch_created.decode(answer).items]
+
+
+class Ledger:
+    """With --url: every job id the 201s returned, for the cleanup to cancel.
+
+    The requests write it, each in a task of its own, so that a request whose
+    client is cancelled (SIGINT, a failing phase) still gets its answer read;
+    the phase drains them before closing its session, and the cleanup reads
+    the ledger after that (all on one loop).
+    """
+
+    def __init__(self, job_names: str) -> None:
+        self.job_names = job_names
+        self.job_ids: list[str] = []
+        self.unanswered = 0  # requests sent with no readable answer: what they made is unknown
+        self._in_flight: set[asyncio.Task[str]] = set()
+        self.cleanup: Cleanup | None = None  # set by canceled_afterwards, once it has run
+
+    async def track(self, request: Awaitable[str]) -> str:
+        task = asyncio.ensure_future(request)
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+        return await asyncio.shield(task)
+
+    async def drain(self) -> None:
+        """Wait for the requests still out; any without an answer in time is unanswered."""
+        if not self._in_flight:
+            return
+        late: set[asyncio.Task[str]] = set(self._in_flight)
+        try:
+            _, late = await asyncio.wait(late, timeout=REQUEST_TIMEOUT_S)
+        finally:  # also when a second signal cancels the wait
+            late = {t for t in late if not t.done()}
+            for task in late:
+                task.cancel()
+            self.unanswered += len(late)
+
+
+IdsOf = Callable[[bytes], list[str]]
+
+
+async def _post(session: aiohttp.ClientSession, path: str, body: bytes,
+                record: tuple[Ledger, IdsOf] | None) -> str:
     try:
         async with session.post(path, data=body) as resp:
-            await resp.read()
-            return OK if resp.status == 201 else str(resp.status)
+            answer = await resp.read()
+    except aiohttp.ClientConnectorError as exc:
+        return type(exc).__name__  # never sent: created nothing
     except (aiohttp.ClientError, TimeoutError) as exc:
+        if record is not None:
+            record[0].unanswered += 1
         return type(exc).__name__
+    if resp.status != 201:
+        return str(resp.status)
+    if record is not None:
+        ledger, ids_of = record
+        try:
+            ledger.job_ids += ids_of(answer)
+        except msgspec.DecodeError:
+            ledger.unanswered += 1
+            return "unreadable 201"
+    return OK
 
 
 async def _http_phase(name: Phase, target: HttpTarget, path: str, bodies: list[bytes],
                       concurrency: int, jobs_per_request: int, plan: Plan, probe: CpuProbe,
-                      progress: Progress) -> PhaseResult:
-    headers = {"Authorization": f"Bearer {target.api_key}", "Content-Type": "application/json"}
+                      progress: Progress, record: tuple[Ledger, IdsOf] | None) -> PhaseResult:
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
-    async with aiohttp.ClientSession(target.url, connector=connector, headers=headers,
+    async with aiohttp.ClientSession(target.url, connector=connector, headers=target.headers(),
                                      timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
                                      ) as session:
         next_body = itertools.cycle(bodies).__next__
 
         def send() -> Awaitable[str]:
-            return _post(session, path, next_body())
+            if record is None:
+                return _post(session, path, next_body(), None)
+            return record[0].track(_post(session, path, next_body(), record))
 
-        return await run_phase(name, concurrency, jobs_per_request, send, plan, probe, progress)
+        try:
+            return await run_phase(name, concurrency, jobs_per_request, send, plan, probe,
+                                   progress)
+        finally:
+            if record is not None:
+                await record[0].drain()  # before the session closes under them
 
 
-async def http_phases(plan: Plan, target: HttpTarget, probe: CpuProbe,
-                      progress: Progress) -> list[PhaseResult]:
+async def http_phases(plan: Plan, target: HttpTarget, bodies: list[dict], probe: CpuProbe,
+                      progress: Progress, ledger: Ledger | None = None) -> list[PhaseResult]:
+    """With a ledger, every job id the 201s return goes into it."""
     encode = msgspec.json.encode
-    bodies = job_bodies(DISTINCT_BODIES)
     results = []
     if "http-single" in plan.phases:
         results.append(await _http_phase(
             "http-single", target, "/v1/jobs", [encode(b) for b in bodies], plan.clients, 1,
-            plan, probe, progress))
+            plan, probe, progress, None if ledger is None else (ledger, single_ids)))
     if "http-batch" in plan.phases:
         batches = [encode({"jobs": b}) for b in _batches(bodies, plan.batch_size)]
         results.append(await _http_phase(
             "http-batch", target, "/v1/jobs:batch", batches, plan.batch_clients,
-            plan.batch_size, plan, probe, progress))
+            plan.batch_size, plan, probe, progress,
+            None if ledger is None else (ledger, batch_ids)))
     return results
 
 
@@ -452,10 +594,10 @@ async def _insert(db: Database, tenant_id: uuid.UUID, jobs: list[NewJob]) -> str
     return OK
 
 
-async def raw_phases(plan: Plan, db: Database, tenant_id: uuid.UUID, probe: CpuProbe,
-                     progress: Progress) -> list[PhaseResult]:
+async def raw_phases(plan: Plan, db: Database, tenant_id: uuid.UUID, bodies: list[dict],
+                     probe: CpuProbe, progress: Progress) -> list[PhaseResult]:
     """`db` needs a pool of at least plan.raw_connections connections."""
-    maker = JobMaker(job_bodies(DISTINCT_BODIES))
+    maker = JobMaker(bodies)
     results = []
     for name, concurrency, size in (("raw-single", plan.raw_connections, 1),
                                     ("raw-batch", plan.batch_clients, plan.batch_size)):
@@ -481,6 +623,142 @@ def ratios(phases: list[PhaseResult]) -> list[Ratio]:
                            http_over_raw=http.jobs_per_s / raw.jobs_per_s if raw.jobs_per_s
                            else 0.0))
     return found
+
+
+# --- with --url: canceling what the run submitted ------------------------------------------
+
+
+_TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+NOT_TRIED = "not tried"
+
+
+class Canceller:
+    """DELETEs a ledger's jobs, CLEANUP_CLIENTS at a time; deletes that failed transiently
+    are tried again in up to CLEANUP_PASSES passes. Only its own tasks write it."""
+
+    def __init__(self, target: HttpTarget, ledger: Ledger) -> None:
+        self._target = target
+        self._ledger = ledger
+        self.canceled = 0
+        self.already_gone = 0
+        # Every job not yet settled -> (why, worth retrying): what is left is what failed.
+        self.left: dict[str, tuple[str, bool]] = dict.fromkeys(ledger.job_ids, (NOT_TRIED, True))
+
+    async def run(self, progress: Progress) -> None:
+        connector = aiohttp.TCPConnector(limit=CLEANUP_CLIENTS, limit_per_host=CLEANUP_CLIENTS)
+        async with aiohttp.ClientSession(self._target.url, connector=connector,
+                                         headers=self._target.headers(),
+                                         timeout=aiohttp.ClientTimeout(total=DELETE_TIMEOUT_S)
+                                         ) as session:
+            ticker = asyncio.create_task(self._tell(progress, time.perf_counter()))
+            try:
+                for attempt in range(CLEANUP_PASSES):
+                    todo = [job_id for job_id, (_, retry) in self.left.items() if retry]
+                    if not todo:
+                        break
+                    if attempt:
+                        await asyncio.sleep(CLEANUP_RETRY_PAUSE_S * random.uniform(0.5, 1.5))
+                    ids = iter(todo)  # shared by the workers: each takes the next id
+                    async with asyncio.TaskGroup() as tg:
+                        for _ in range(min(CLEANUP_CLIENTS, len(todo))):
+                            tg.create_task(self._work(session, ids))
+            finally:
+                ticker.cancel()
+
+    async def _work(self, session: aiohttp.ClientSession, ids: Iterator[str]) -> None:
+        for job_id in ids:
+            try:
+                async with session.delete(f"/v1/jobs/{job_id}") as resp:
+                    await resp.read()
+                    status = resp.status
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.left[job_id] = (type(exc).__name__, True)
+                continue
+            if status == 204:
+                self.canceled += 1
+                del self.left[job_id]
+            elif status == 404:
+                self.already_gone += 1
+                del self.left[job_id]
+            else:
+                self.left[job_id] = (str(status), status in _TRANSIENT_STATUSES)
+
+    async def _tell(self, progress: Progress, started: float) -> None:
+        total = len(self._ledger.job_ids)
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            progress.say(f"{'cleanup':<11} {time.perf_counter() - started:5.1f}s canceled "
+                         f"{self.canceled} of {total}, failing {len(self.left) - self._untried()}")
+
+    def _untried(self) -> int:
+        return sum(why == NOT_TRIED for why, _ in self.left.values())
+
+    def result(self, seconds: float, interrupted: bool) -> Cleanup:
+        failures = collections.Counter(
+            "interrupted" if interrupted and why == NOT_TRIED else why
+            for why, _ in self.left.values())
+        return Cleanup(job_names=f"{self._ledger.job_names}-*", due_after_s=URL_DUE_AFTER_S,
+                       submitted=len(self._ledger.job_ids), canceled=self.canceled,
+                       already_gone=self.already_gone, failed=len(self.left),
+                       failures=dict(failures), failed_job_ids=list(self.left),
+                       unanswered_requests=self._ledger.unanswered, seconds=seconds)
+
+
+async def cancel_submitted(target: HttpTarget, ledger: Ledger, progress: Progress) -> Cleanup:
+    """Cancel every job in the ledger through the API; says how that went on `progress`,
+    even when a signal interrupts it."""
+    progress.say(f"cleanup: canceling the {len(ledger.job_ids)} jobs submitted through --url")
+    canceller = Canceller(target, ledger)
+    started = time.perf_counter()
+    try:
+        await canceller.run(progress)
+    except asyncio.CancelledError:
+        _say_cleanup(progress, "cleanup interrupted",
+                     canceller.result(time.perf_counter() - started, interrupted=True))
+        raise
+    cleanup = canceller.result(time.perf_counter() - started, interrupted=False)
+    _say_cleanup(progress, "cleanup", cleanup)
+    return cleanup
+
+
+@contextlib.asynccontextmanager
+async def canceled_afterwards(target: HttpTarget, job_names: str,
+                              progress: Progress) -> AsyncIterator[Ledger]:
+    """A ledger for the phases; on the way out, however it is taken, its jobs are canceled
+    and the outcome left in `ledger.cleanup`."""
+    ledger = Ledger(job_names)
+    try:
+        yield ledger
+    finally:
+        ledger.cleanup = await cancel_submitted(target, ledger, progress)
+
+
+def cleanup_lines(c: Cleanup) -> list[str]:
+    """The first line always; the others when something is left to know."""
+    lines = [f"submitted {c.submitted} jobs through --url; canceled {c.canceled} "
+             f"(failed {c.failed}) in {c.seconds:.1f} s"]
+    if c.already_gone:
+        lines.append(f"already gone (404): {c.already_gone}")
+    if c.failed:
+        why = ", ".join(f"{k}: {v}" for k, v in sorted(c.failures.items()))
+        shown = ", ".join(c.failed_job_ids[:3]) + (", ... (all in --json)" if c.failed > 3
+                                                   else "")
+        lines.append(f"NOT CANCELED: {c.failed} jobs ({why}), ids {shown}")
+    if c.unanswered_requests:
+        lines.append(f"NOT ACCOUNTED FOR: {c.unanswered_requests} submit(s) got no readable "
+                     "answer; any jobs they created were not canceled")
+    if not c.complete:
+        lines.append(f"what is left is named {c.job_names} and due no sooner than "
+                     f"{c.due_after_s / 86400:g} days after its submit: cancel it with "
+                     "DELETE /v1/jobs/{jobId}")
+    return lines
+
+
+def _say_cleanup(progress: Progress, head: str, cleanup: Cleanup) -> None:
+    first, *rest = cleanup_lines(cleanup)
+    progress.say(f"{head}: {first}")
+    for line in rest:
+        progress.say(f"  {line}")
 
 
 # --- setting up: a scratch database and the API processes --------------------------------
@@ -578,22 +856,28 @@ async def api_processes(count: int, database_url: str,
 # --- the whole run -------------------------------------------------------------------------
 
 
-async def _http_side(options: Options, db_url: str, api_key: str,
-                     progress: Progress) -> list[PhaseResult]:
+async def _http_side(options: Options, db_url: str, api_key: str, bodies: list[dict],
+                     ledger: Ledger | None, progress: Progress) -> list[PhaseResult]:
     plan = options.plan
-    if options.url is not None:
-        target = HttpTarget(options.url.rstrip("/"), options.api_key or "")
-        return await http_phases(plan, target, CpuProbe(database=_database_of(db_url)),
-                                 progress)
+    if ledger is not None:
+        # The target's database is not ours to find, so its backends are not counted.
+        return await http_phases(plan, url_target(options), bodies,
+                                 CpuProbe(postgres=False), progress, ledger)
     async with api_processes(options.api_processes, db_url, options.redis_url) as (url, pids):
         progress.say(f"api: {options.api_processes} process(es) at {url}, pids {list(pids)}")
         probe = CpuProbe(pids, database=_database_of(db_url))
-        return await http_phases(plan, HttpTarget(url, api_key), probe, progress)
+        return await http_phases(plan, HttpTarget(url, api_key), bodies, probe, progress)
+
+
+def url_target(options: Options) -> HttpTarget:
+    assert options.url is not None
+    return HttpTarget(options.url.rstrip("/"), options.api_key or "")
 
 
 async def run(options: Options, progress: Progress) -> Report:
     """Set up, run every phase of the plan, tear down; the API is stopped before raw phases
-    so its idle pool does not hold connections the raw phases need."""
+    so its idle pool does not hold connections the raw phases need. With --url, what the
+    HTTP phases submitted is canceled after the last phase, or on the way out of a failure."""
     for url, what in ((options.database_url, "--database-url"), (options.url, "--url"),
                       (options.redis_url, "--redis-url")):
         if url is not None:
@@ -602,27 +886,37 @@ async def run(options: Options, progress: Progress) -> Report:
         raise ConfigError("--url needs --api-key (a key of a tenant of that API)")
     started = datetime.now(UTC)
     plan = options.plan
+    if options.url is None:
+        bodies, ledger_of = job_bodies(DISTINCT_BODIES), contextlib.nullcontext(None)
+    else:
+        names = f"loadtest-{secrets.token_hex(4)}"
+        bodies = job_bodies(DISTINCT_BODIES, name=names, due_after_s=URL_DUE_AFTER_S)
+        ledger_of = canceled_afterwards(url_target(options), names, progress)
     async with scratch_database(options.database_url, options.keep, progress) as (dsn, machine):
         db = await Database.connect(dsn, min_size=1,
                                     max_size=max(plan.raw_connections, plan.batch_clients))
         try:
             tenant = await create_tenant(db, TenantSpec(name="loadtest"), started)
-            phases = await _http_side(options, dsn, tenant.api_key, progress)
-            phases += await raw_phases(plan, db, tenant.tenant_id,
-                                       CpuProbe(database=_database_of(dsn)), progress)
+            async with ledger_of as ledger:
+                phases = await _http_side(options, dsn, tenant.api_key, bodies, ledger,
+                                          progress)
+                phases += await raw_phases(plan, db, tenant.tenant_id, bodies,
+                                           CpuProbe(database=_database_of(dsn)), progress)
             jobs, due = await count_rows(db, tenant.tenant_id)
         finally:
             await db.close()
+    # With --url only the raw phases wrote to the scratch database.
     ours = [p for p in phases if options.url is None or p.name.startswith("raw-")]
     expected = sum(p.jobs_created for p in ours)
+    database = None if not ours and options.url is not None else DatabaseCheck(
+        jobs_expected=expected, jobs_found=jobs, due_rows_found=due,
+        consistent=jobs == due == expected)
     order = {name: i for i, name in enumerate(PHASES)}
     phases.sort(key=lambda p: order[p.name])
     return Report(started_at=started, plan=plan,
                   api_processes=None if options.url else options.api_processes,
-                  machine=machine, phases=phases, ratios=ratios(phases),
-                  database=DatabaseCheck(jobs_expected=expected, jobs_found=jobs,
-                                         due_rows_found=due,
-                                         consistent=jobs == due == expected))
+                  machine=machine, phases=phases, ratios=ratios(phases), database=database,
+                  cleanup=None if ledger is None else ledger.cleanup)
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -648,8 +942,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "default all")
     a("--api-processes", type=int, metavar="K",
       help="herdwick api processes to start on one port; default 1")
-    a("--url", help="target a running API (loopback only) instead")
-    a("--api-key", help="a tenant's API key for --url")
+    a("--url", help="target a running API (loopback only) instead; its jobs are due no "
+      "sooner than 30 days after submit and are all canceled through that API (DELETE "
+      "/v1/jobs/{jobId}) when the phases end, fail or are stopped by a signal; its database "
+      "is not inspected, and the exit status is 1 if any job could not be canceled")
+    a("--api-key", help="a tenant's API key for --url: it needs to submit and cancel jobs")
     a("--database-url", help="Postgres server for the scratch database; "
       "default $HERDWICK_DATABASE_URL, else postgres@127.0.0.1:5432")
     a("--redis-url", help="default $HERDWICK_REDIS_URL, else 127.0.0.1:6379")
@@ -679,12 +976,17 @@ def options_from(args: argparse.Namespace) -> Options:
 
 def render_text(report: Report) -> str:
     m = report.machine
-    procs = ("an API at --url" if report.api_processes is None
-             else f"{report.api_processes} api process(es)")
+    via_url = report.cleanup is not None
+    procs = ("an API at --url" if via_url else f"{report.api_processes} api process(es)")
     lines = [
         f"herdwick loadtest submit  {report.started_at:%Y-%m-%dT%H:%M:%SZ}",
         f"machine: {m.cpus} CPUs, Python {m.python}, PostgreSQL {m.postgres} (fsync {m.fsync}, "
         f"synchronous_commit {m.synchronous_commit}); {procs}",
+    ]
+    if via_url:
+        lines.append("(that PostgreSQL is --database-url's, where the raw phases ran; the "
+                     "target API's processes and database were not inspected)")
+    lines += [
         f"each phase: {report.plan.warmup_s:g} s warm-up, {report.plan.duration_s:g} s measured",
         "",
         f"{'phase':<11} {'conc':>4} {'jobs/req':>8} {'req/s':>9} {'jobs/s':>9} {'p50 ms':>8} "
@@ -699,20 +1001,38 @@ def render_text(report: Report) -> str:
     lines += ["", "HTTP / raw (jobs/s): " + "   ".join(
         f"{r.shape} {r.http_over_raw:.2f} ({r.http_jobs_per_s:.0f} / {r.raw_jobs_per_s:.0f})"
         for r in report.ratios)]
+    if via_url and report.ratios:
+        lines.append("(raw ran in a scratch database on --database-url: a like-for-like "
+                     "baseline only if the target API uses that server)")
     lines += ["", "CPU seconds in the measured window:",
               f"{'phase':<11} {'api':>7} {'loadgen':>8} {'postgres':>8} {'other':>7} "
               f"{'busy':>7} {'of':>6}"]
     for p in report.phases:
         c = p.cpu
         api = "-" if c.api_s is None else f"{c.api_s:.1f}"
-        other = max(0.0, c.machine_busy_s - (c.api_s or 0.0) - c.loadgen_s - c.postgres_s)
-        lines.append(f"{p.name:<11} {api:>7} {c.loadgen_s:>8.1f} {c.postgres_s:>8.1f} "
+        postgres = "-" if c.postgres_s is None else f"{c.postgres_s:.1f}"
+        other = max(0.0, c.machine_busy_s - (c.api_s or 0.0) - c.loadgen_s
+                    - (c.postgres_s or 0.0))
+        lines.append(f"{p.name:<11} {api:>7} {c.loadgen_s:>8.1f} {postgres:>8} "
                      f"{other:>7.1f} {c.machine_busy_s:>7.1f} {c.capacity_s:>6.1f}")
-    lines.append("(other: the kernel and anything else running on the machine)")
-    d = report.database
-    lines += ["", f"database: {d.jobs_found} jobs, {d.due_rows_found} due rows; the phases "
-                  f"reported {d.jobs_expected}: {'consistent' if d.consistent else 'MISMATCH'}"]
+    lines.append("(other: the kernel and anything else running on the machine"
+                 + ("; with --url, the target API and its PostgreSQL too)" if via_url else ")"))
+    lines += ["", *_database_lines(report)]
     return "\n".join(lines)
+
+
+def _database_lines(report: Report) -> list[str]:
+    d, c = report.database, report.cleanup
+    check = [] if d is None else [
+        f"{d.jobs_found} jobs, {d.due_rows_found} due rows; the "
+        f"{'phases' if c is None else 'raw phases'} reported {d.jobs_expected}: "
+        f"{'consistent' if d.consistent else 'MISMATCH'}"]
+    if c is None:
+        return [f"database: {check[0]}"]
+    first, *rest = cleanup_lines(c)
+    lines = [f"database: the target's database was not inspected (--url); {first}",
+             *(f"  {line}" for line in rest)]
+    return lines + [f"scratch database (raw phases only): {line}" for line in check]
 
 
 def write_report(report: Report, out: TextIO, as_json: bool) -> None:
@@ -724,8 +1044,10 @@ def write_report(report: Report, out: TextIO, as_json: bool) -> None:
 async def command(args: argparse.Namespace) -> int:
     """`herdwick loadtest submit`: progress on stderr, the report on stdout.
 
-    SIGTERM and SIGINT cancel the run, so the API processes are stopped and the
-    scratch database dropped on the way out.
+    SIGTERM and SIGINT cancel the run, so the API processes are stopped, the
+    scratch database dropped and, with --url, the submitted jobs canceled on the
+    way out (a second signal abandons that). Exit 1 if a check failed or a job
+    could not be canceled.
     """
     options = options_from(args)
     progress = Progress(sys.stderr)
@@ -737,7 +1059,8 @@ async def command(args: argparse.Namespace) -> int:
     try:
         report = await run(options, progress)
     except asyncio.CancelledError:
-        progress.say("stopped by a signal; cleaned up")
+        # With --url the cleanup has said above what became of the jobs.
+        progress.say("stopped by a signal" + ("; cleaned up" if options.url is None else ""))
         return 130
     write_report(report, sys.stdout, args.json)
-    return 0 if report.database.consistent else 1
+    return 0 if report.passed else 1
