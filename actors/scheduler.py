@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import socket
 import uuid
 
@@ -47,6 +48,7 @@ log = logs.get("herdwick.scheduler")
 DISPATCH_ACTORS = 2
 POOLS_REFRESH_S = 1.0  # a new pool's events are read within this
 DB_POOL_MAX = 16
+NOTIFY_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # resubscribe backoff once Redis drops; jittered
 
 
 def new_node_id() -> str:
@@ -171,20 +173,42 @@ class Scheduler:
         await self.coordinator.send(lost)
 
     async def _listen_notify(self, client: aioredis.Redis) -> None:
-        pubsub = client.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(keys.notify_channel(self.settings.key_prefix))
-            async for message in pubsub.listen():
-                if message.get("type") != "message":
-                    continue
-                for note in decode_notify(message["data"]):
-                    actor = self.shard(note.shard_id)
-                    if actor is not None:
-                        actor.try_send(NotifyDue(uuid.UUID(note.job_id).int,
-                                                note.next_run_at_us))
-        finally:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()
+        """Wake shard actors on the gateway's notifies; resubscribe when Redis drops.
+
+        redis-py's listen() raises once its own reconnect attempts fail, and a bare
+        listen loop would then end for good (no notify again, even after Redis is
+        back) or, retried at once, spin. So: one warning a retry, backed off.
+        Notifies are only a shortcut (shards load their due work every few seconds),
+        so those missed while Redis is away delay nothing for long.
+        """
+        channel = keys.notify_channel(self.settings.key_prefix)
+        failures = 0
+        while True:
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                if failures:
+                    log.info("notify_resubscribed", failures=failures)
+                    failures = 0
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self._wake_shards(message["data"])
+                error = "subscription ended"  # unsubscribed under us: subscribe again
+            except (aioredis.RedisError, OSError) as exc:
+                error = str(exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            delay_s = NOTIFY_RETRY_S[min(failures, len(NOTIFY_RETRY_S) - 1)]
+            failures += 1
+            log.warning("notify_unavailable", error=error, retry_s=delay_s)
+            await asyncio.sleep(delay_s * (0.5 + random.random()))
+
+    def _wake_shards(self, data: bytes) -> None:
+        for note in decode_notify(data):
+            actor = self.shard(note.shard_id)
+            if actor is not None:
+                actor.try_send(NotifyDue(uuid.UUID(note.job_id).int, note.next_run_at_us))
 
     async def settle_events(self) -> int:
         """Test signal: apply what is on the events streams now; returns how many events.
