@@ -49,6 +49,9 @@ DISPATCH_ACTORS = 2
 POOLS_REFRESH_S = 1.0  # a new pool's events are read within this
 DB_POOL_MAX = 16
 NOTIFY_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # resubscribe backoff once Redis drops; jittered
+STOP_TIMEOUT_S = 5.0  # an actor's clean stop at shutdown, before it is cancelled
+# Dispatch actors and pool queues finish what they hold; the coordinator, a shard stop.
+DRAIN_TIMEOUT_S = 10.0
 
 
 def new_node_id() -> str:
@@ -241,18 +244,31 @@ class Scheduler:
         return sum(q.published for q in self._pools.values())
 
     async def stop(self) -> None:
-        """Clean shutdown (SIGTERM): see the module docstring for the order."""
-        for task in self._tasks:
+        """Clean shutdown (SIGTERM): see the module docstring for the order.
+
+        Each step stops its actors together, not one after another: with Postgres
+        or Redis gone many may be crashed at once, and each would run out its own
+        deadline in turn (128 shards times 5 s). Shards stop before the coordinator:
+        it may be stepping down, stopping shards one by one itself, and cancelling
+        it inside one of those stops would leave that shard running for good (the
+        Supervisor has already let go of it). Stopped first, the shards' stops it
+        has yet to make return at once, and the one in hand ends within
+        STOP_TIMEOUT_S, inside the coordinator's longer deadline.
+        """
+        for task in self._tasks:  # tickers first: no Tick, so no new claim
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.coordinator is not None:
-            await self._core.stop("coordinator")
-            await self._shards.stop_all()
-            for i in range(len(self.dispatchers)):
-                await self._core.stop(f"dispatch-{i}", timeout_s=10)
-            for pool in list(self._pools):
-                await self._core.stop(f"pool-{pool}", timeout_s=10)
+            await _stop_together(self._shards, self._shards.keys())
+            await _stop_together(self._core, ["coordinator"], timeout_s=DRAIN_TIMEOUT_S)
+            await _stop_together(self._shards, self._shards.keys())  # a claim in hand
+            await _stop_together(self._core, [f"dispatch-{i}" for i in
+                                              range(len(self.dispatchers))],
+                                 timeout_s=DRAIN_TIMEOUT_S)
+            await _stop_together(self._core, [f"pool-{pool}" for pool in self._pools],
+                                 timeout_s=DRAIN_TIMEOUT_S)
             await self.coordinator.release_all()
+        await _stop_together(self._core, self._core.keys())
         await self._core.__aexit__(None, None, None)
         await self._shards.__aexit__(None, None, None)
         if self._given_redis is None and self.hot is not None:
@@ -269,3 +285,23 @@ class Scheduler:
             self._shards.cancel(key)
         for key in self._core.keys():
             self._core.cancel(key)
+
+
+async def _stop_together(supervisor: Supervisor, keys: list[str],
+                         timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Stop these actors at once, each under the deadline.
+
+    An actor that is not in its run loop (crashed and waiting out its restart
+    backoff, or not through on_start) holds no work to finish, and a Stop would
+    not reach it: the Supervisor hands Stop to the instance it has, and builds a
+    new one after the backoff. Waiting could only end at the deadline, so it is
+    cancelled at once.
+    """
+    stopping = []
+    for key in keys:
+        actor = supervisor.actor(key)
+        if actor is None or actor.stopped or not actor.ready.is_set():
+            supervisor.cancel(key)
+        else:
+            stopping.append(supervisor.stop(key, timeout_s=timeout_s))
+    await asyncio.gather(*stopping)
