@@ -10,6 +10,9 @@ from herdwick.gateway.problems import bad_field, from_validation_error, invalid
 from herdwick.model import FieldError
 
 MAX_DEPTH_MESSAGE = "nested too deeply"
+# An integer field is a float that must be a multiple of 1 to msgspec (herdwick/model.py
+# WholeNumber); its message for 5.5 should say what the field takes.
+_WHOLE = "`float` that's a multiple of 1.0"
 
 
 def decode_collecting(decoder: msgspec.json.Decoder, raw: bytes,
@@ -21,7 +24,9 @@ def decode_collecting(decoder: msgspec.json.Decoder, raw: bytes,
     try:
         return decoder.decode(raw), []
     except msgspec.ValidationError as exc:
-        return None, [from_validation_error(exc, prefix)]
+        error = from_validation_error(exc, prefix)
+        return None, [FieldError(field=error.field,
+                                 message=error.message.replace(_WHOLE, "an integer"))]
     except msgspec.DecodeError as exc:
         raise bad_field(prefix or "body", f"malformed JSON: {exc}", status=400) from None
     except RecursionError:

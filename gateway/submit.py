@@ -24,6 +24,7 @@ from herdwick.model import (
     FieldError,
     JobSpec,
     Schedule,
+    valid_name,
     valid_pool,
 )
 from herdwick.storage.jobs import NewJob
@@ -149,7 +150,7 @@ def prepare(spec: JobSpec, *, now: datetime, allow: tuple[Network, ...],
             prefix: str = "") -> Prepared:
     """Validate one job and compute its first due time."""
     errors: list[FieldError] = []
-    if _CONTROL.search(spec.name):
+    if not valid_name(spec.name):
         errors.append(_err(prefix, "name", "must not contain control characters"))
     errors += check_target(spec, prefix, allow)
     errors += check_payload(spec.payload, prefix)

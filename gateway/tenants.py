@@ -13,7 +13,7 @@ from herdwick.gateway.context import Ctx
 from herdwick.gateway.decoding import decode
 from herdwick.gateway.params import json_response, path_uuid
 from herdwick.gateway.problems import bad_field
-from herdwick.model import SigningSecret, TenantPatch, TenantSpec
+from herdwick.model import SigningSecret, TenantPatch, TenantSpec, valid_name
 from herdwick.storage import tenants as store
 
 BODY_CAP = 16 * 1024
@@ -29,7 +29,7 @@ async def create_tenant(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     require_admin(request, ctx.settings.admin_token)
     spec = decode(_spec_decoder, await read_json_body(request, BODY_CAP))
-    if not spec.name.isprintable():
+    if not valid_name(spec.name):
         raise bad_field("name", "must not contain control characters")
     return json_response(201, await store.create_tenant(ctx.db, spec, ctx.clock.now()))
 

@@ -30,20 +30,49 @@ EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LIST_LIMIT_DEFAULT = 50
 LIST_LIMIT_MAX = 500
 
-JobName = Annotated[str, Meta(min_length=1, max_length=200)]
+# Names (of jobs and tenants) hold no control character (Unicode Cc: C0, DEL and C1).
+# The check is valid_name; the pattern is what /openapi.json publishes for it.
+_CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f"
+_CONTROL = re.compile(f"[{_CONTROL_CHARACTERS}]")
+NAME_PATTERN = f"^[^{_CONTROL_CHARACTERS}]*$"
+
+
+def valid_name(name: str) -> bool:
+    return _CONTROL.search(name) is None
+
+
+# JSON Schema calls 5.0 an integer, so any client or fuzzer working from /openapi.json may
+# send one; msgspec refuses a float for an int field (its lax mode would, but would take
+# "5" too). So a request's integer fields are floats that must be a multiple of 1 (5 and 5.0
+# pass, 5.5 does not), the structs turn them back into ints after decoding (_as_ints in
+# __post_init__), and gateway/openapi.py publishes them as "type": "integer".
+WholeNumber = Annotated[float, Meta(multiple_of=1)]
+
+JobName = Annotated[str, Meta(min_length=1, max_length=200,
+                              extra_json_schema={"pattern": NAME_PATTERN})]
 TargetRef = Annotated[str, Meta(min_length=1, max_length=2048)]
 DelaySeconds = Annotated[float, Meta(ge=0, le=MAX_DELAY_S)]
-JitterSeconds = Annotated[int, Meta(ge=0, le=MAX_JITTER_S)]
-Attempts = Annotated[int, Meta(ge=1, le=MAX_ATTEMPTS)]
+JitterSeconds = Annotated[WholeNumber, Meta(ge=0, le=MAX_JITTER_S)]
+Attempts = Annotated[WholeNumber, Meta(ge=1, le=MAX_ATTEMPTS)]
 BackoffSeconds = Annotated[float, Meta(ge=0, le=MAX_BACKOFF_S)]
-TimeoutSeconds = Annotated[int, Meta(ge=1, le=MAX_TIMEOUT_S)]
+TimeoutSeconds = Annotated[WholeNumber, Meta(ge=1, le=MAX_TIMEOUT_S)]
 CronText = Annotated[str, Meta(min_length=1, max_length=200)]
 ZoneName = Annotated[str, Meta(min_length=1, max_length=64)]
 AwareTime = Annotated[datetime, Meta(tz=True)]
-Weight = Annotated[int, Meta(ge=1, le=1000)]
+Weight = Annotated[WholeNumber, Meta(ge=1, le=1000)]
 DispatchRate = Annotated[float, Meta(gt=0, le=1_000_000)]
-MaxActiveJobs = Annotated[int, Meta(ge=1, le=100_000_000)]
-TenantName = Annotated[str, Meta(min_length=1, max_length=200)]
+MaxActiveJobs = Annotated[WholeNumber, Meta(ge=1, le=100_000_000)]
+TenantName = Annotated[str, Meta(min_length=1, max_length=200,
+                                 extra_json_schema={"pattern": NAME_PATTERN})]
+
+
+def _as_ints(struct: msgspec.Struct, *fields: str) -> None:
+    """A WholeNumber field decoded as 5.0 holds 5 from here on (frozen structs too)."""
+    for name in fields:
+        value = getattr(struct, name)
+        if type(value) is float:
+            msgspec.structs.force_setattr(struct, name, int(value))
+
 
 # A queue target's ref, which is its worker pool's name. Checked with fullmatch:
 # re's `$` would also match before a trailing newline.
@@ -84,6 +113,9 @@ class Schedule(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_de
     overlap: Overlap = "allow"
     misfire: Misfire = "skip"
 
+    def __post_init__(self) -> None:
+        _as_ints(self, "jitter_seconds")
+
     @property
     def kind(self) -> Literal["once", "cron"]:
         return "cron" if self.cron is not None else "once"
@@ -120,6 +152,9 @@ class RetryPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     max_attempts: Attempts = 5
     backoff_seconds: BackoffSeconds = 10
 
+    def __post_init__(self) -> None:
+        _as_ints(self, "max_attempts")
+
 
 DEFAULT_RETRY = RetryPolicy()
 DEFAULT_TIMEOUT_S = 300
@@ -134,6 +169,9 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="
     payload: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"null"))
     retry: RetryPolicy = DEFAULT_RETRY
     timeout_seconds: TimeoutSeconds = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        _as_ints(self, "timeout_seconds")
 
 
 class JobBatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -193,6 +231,9 @@ class TenantSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, renam
     dispatch_rate: DispatchRate | None = None
     max_active_jobs: MaxActiveJobs | None = None
 
+    def __post_init__(self) -> None:
+        _as_ints(self, "weight", "max_active_jobs")
+
 
 class TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="camel"):
     """The body of PATCH /v1/tenants/{tenantId}; an absent field is left as it is.
@@ -203,6 +244,9 @@ class TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rena
     weight: Weight | msgspec.UnsetType = msgspec.UNSET
     dispatch_rate: DispatchRate | msgspec.UnsetType | None = msgspec.UNSET
     max_active_jobs: MaxActiveJobs | msgspec.UnsetType | None = msgspec.UNSET
+
+    def __post_init__(self) -> None:
+        _as_ints(self, "weight", "max_active_jobs")
 
 
 class TenantCreated(msgspec.Struct, kw_only=True, rename="camel"):
