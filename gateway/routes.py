@@ -10,6 +10,10 @@ from aiohttp import web
 
 from herdwick.gateway import executions, health, jobs, tenants
 from herdwick.model import (
+    JOB_STATES,
+    LIST_LIMIT_DEFAULT,
+    LIST_LIMIT_MAX,
+    MAX_IDEMPOTENCY_KEY_LEN,
     BatchCreated,
     Execution,
     ExecutionPage,
@@ -43,18 +47,42 @@ class Route(NamedTuple):
     auth: Literal["tenant", "admin", "none"]
     body: type | None = None
     ok: tuple[int, type | None] = (200, None)
+    # Problem statuses of this route's own; gateway/openapi.py adds those that its auth,
+    # body and path parameters imply (401, 403, 400/413/415/422, 404/405, 503).
     errors: tuple[int, ...] = ()
     query: tuple[Query, ...] = ()
     headers: tuple[Query, ...] = ()
+    also: tuple[tuple[int, type], ...] = ()  # other answers that are not problems
 
 
-_LIST_QUERY = (
-    Query("cursor", "the nextCursor of the previous page", {"type": "string"}),
-    Query("limit", "page size", {"type": "integer", "minimum": 1, "maximum": 500, "default": 50}),
-)
+# The cursors each list issues. storage/jobs.py encode_cursor, for jobs and dead letters:
+# "j1." and a UUID's 16 bytes in unpadded base64url, the last of 22 characters carrying 2
+# bits (so one of AQgw); every string of that pattern is a cursor the list takes.
+# storage/history.py encode_cursor, for a job's executions: "e1." and 24 bytes in 32
+# characters, scheduled_for in microseconds since 1970 (signed 64-bit big-endian; the
+# leading "A" holds it from 1970 to the year 11103) and the execution's UUID. Every issued
+# one matches; one that matches but was not issued can still be 422 (the time is past 9999,
+# or it does not round-trip through the float arithmetic the encoding uses).
+ID_CURSOR_PATTERN = "^j1\\.[A-Za-z0-9_-]{21}[AQgw]$"
+EXECUTION_CURSOR_PATTERN = "^e1\\.A[A-Za-z0-9_-]{31}$"
+
+
+def _list_query(cursor_pattern: str) -> tuple[Query, ...]:
+    return (
+        Query("cursor", "the nextCursor of the previous page",
+              {"type": "string", "pattern": cursor_pattern}),
+        Query("limit", "page size",
+              {"type": "integer", "minimum": 1, "maximum": LIST_LIMIT_MAX,
+               "default": LIST_LIMIT_DEFAULT}),
+    )
+
+
+# The server strips a header value's surrounding spaces, and takes printable ASCII only
+# (a byte beyond it does not survive the trip as the same character).
 _IDEMPOTENCY = (Query("Idempotency-Key", "replays the original response for 24 hours",
-                      {"type": "string", "minLength": 1, "maxLength": 255}),)
-_SUBMIT_ERRORS = (400, 401, 413, 415, 422, 429, 503)
+                      {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_LEN,
+                       "pattern": "^[ -~]*[!-~][ -~]*$"}),)
+_SUBMIT_ERRORS = (409, 429)  # 409: the Idempotency-Key is in use by a concurrent request
 
 ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/jobs:batch", jobs.submit_batch, "Submit up to 1,000 jobs atomically",
@@ -62,44 +90,41 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/jobs", jobs.submit, "Submit a job", "tenant", JobSpec, (201, JobCreated),
           _SUBMIT_ERRORS, headers=_IDEMPOTENCY),
     Route("GET", "/v1/jobs", jobs.list_jobs, "List jobs, newest first", "tenant",
-          ok=(200, JobPage), errors=(401, 422, 503),
-          query=(Query("state", "only jobs in this state",
-                       {"enum": ["active", "paused", "canceled", "completed"]}), *_LIST_QUERY)),
+          ok=(200, JobPage), errors=(422,),
+          query=(Query("state", "only jobs in this state", {"enum": list(JOB_STATES)}),
+                 *_list_query(ID_CURSOR_PATTERN))),
     Route("POST", "/v1/jobs/{jobId}:pause", jobs.pause_job,
           "Pause a job: no new attempt of it starts until it is resumed", "tenant",
-          ok=(200, Job), errors=(401, 404, 409, 503)),
+          ok=(200, Job), errors=(409,)),
     Route("POST", "/v1/jobs/{jobId}:resume", jobs.resume_job,
           "Resume a paused job (next run per its misfire policy; held retries go on)", "tenant",
-          ok=(200, Job), errors=(401, 404, 409, 503)),
-    Route("GET", "/v1/jobs/{jobId}", jobs.get_job, "Read a job", "tenant", ok=(200, Job),
-          errors=(401, 404, 503)),
+          ok=(200, Job), errors=(409,)),
+    Route("GET", "/v1/jobs/{jobId}", jobs.get_job, "Read a job", "tenant", ok=(200, Job)),
     Route("DELETE", "/v1/jobs/{jobId}", jobs.cancel_job, "Cancel a job (idempotent)", "tenant",
-          ok=(204, None), errors=(401, 404, 503)),
+          ok=(204, None)),
     Route("POST", "/v1/jobs/{jobId}:trigger", executions.trigger_job,
           "Run a job once now, outside its schedule (a paused job stays paused)", "tenant",
-          ok=(202, Triggered), errors=(401, 404, 409, 503)),
+          ok=(202, Triggered), errors=(409,)),
     Route("GET", "/v1/jobs/{jobId}/executions", executions.job_executions,
           "A job's executions, newest first", "tenant", ok=(200, ExecutionPage),
-          errors=(401, 404, 422, 503), query=_LIST_QUERY),
+          errors=(422,), query=_list_query(EXECUTION_CURSOR_PATTERN)),
     Route("POST", "/v1/executions/{executionId}:retry", executions.retry_execution,
           "Replay a dead execution with its next attempt", "tenant", ok=(202, None),
-          errors=(401, 404, 409, 503)),
+          errors=(409,)),
     Route("GET", "/v1/executions/{executionId}", executions.get_execution,
-          "An execution with every attempt", "tenant", ok=(200, Execution),
-          errors=(401, 404, 503)),
+          "An execution with every attempt", "tenant", ok=(200, Execution)),
     Route("GET", "/v1/dead-letters", executions.dead_letters,
           "Dead executions, newest first", "tenant", ok=(200, ExecutionPage),
-          errors=(401, 422, 503), query=_LIST_QUERY),
+          errors=(422,), query=_list_query(ID_CURSOR_PATTERN)),
     Route("POST", "/v1/tenants", tenants.create_tenant, "Create a tenant", "admin", TenantSpec,
-          (201, TenantCreated), (400, 401, 403, 415, 422, 503)),
+          (201, TenantCreated)),
     Route("POST", "/v1/tenants/{tenantId}:rotate-secret", tenants.rotate_secret,
-          "Rotate a tenant's signing secret", "admin", ok=(200, SigningSecret),
-          errors=(401, 403, 404, 503)),
+          "Rotate a tenant's signing secret", "admin", ok=(200, SigningSecret)),
     Route("PATCH", "/v1/tenants/{tenantId}", tenants.patch_tenant, "Update a tenant's limits",
-          "admin", TenantPatch, (200, Tenant), (400, 401, 403, 404, 415, 422, 503)),
+          "admin", TenantPatch, (200, Tenant)),
     Route("GET", "/healthz", health.healthz, "Liveness", "none", ok=(200, health.Health)),
     Route("GET", "/readyz", health.readyz, "Readiness: Postgres and Redis answer", "none",
-          ok=(200, health.Health), errors=(503,)),
+          ok=(200, health.Health), also=((503, health.Health),)),
 )
 
 _PARAM = re.compile(r"\{(\w+)\}")

@@ -35,6 +35,40 @@ HERD_SUGGESTED_JITTER_S = 60
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _LOCAL_NAMES = ("localhost", "localhost.localdomain")
 
+# What _http_ref_problems takes, as far as a pattern can say it (gateway/openapi.py publishes
+# it): an http(s) scheme in any case, no space or control character anywhere, an optional
+# userinfo (without brackets, which urlsplit would read as an IPv6 host's), a host (a name,
+# or an IPv6 address in brackets: RFC 3986's IPv6address) and a port up to 65535. Whether
+# the host is a private, loopback or link-local address is checked here, not by the pattern.
+_H16 = "[0-9A-Fa-f]{1,4}"
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_LS32 = f"(?:{_H16}:{_H16}|{_OCTET}(?:\\.{_OCTET}){{3}})"
+
+
+def _ipv6_address() -> str:
+    """RFC 3986's IPv6address: eight groups (the last two may be an IPv4 address), or
+    fewer with one "::" standing for the zeros between."""
+    def groups(n: int) -> str:
+        return f"(?:{_H16}:){{{n}}}"
+
+    def before(n: int) -> str:  # up to n groups before the "::"
+        return f"(?:(?:{_H16}:){{0,{n - 1}}}{_H16})?"
+
+    forms = [groups(6) + _LS32, "::" + groups(5) + _LS32]
+    forms += [before(n) + "::" + groups(5 - n) + _LS32 for n in range(1, 6)]
+    forms += [before(6) + "::" + _H16, before(7) + "::"]
+    return "(?:" + "|".join(forms) + ")"
+
+
+_PORT = "0*(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
+HTTP_REF_PATTERN = (
+    "^[Hh][Tt][Tt][Pp][Ss]?://"
+    "(?:[^\\x00-\\x20\\x7f/?#@\\[\\]]*@)?"
+    f"(?:\\[{_ipv6_address()}\\]|[^\\x00-\\x20\\x7f/?#@:\\[\\]]+)"
+    f"(?::(?:{_PORT})?)?"
+    "(?:[/?#][^\\x00-\\x20\\x7f]*)?$"
+)
+
 _encode_schedule = msgspec.json.Encoder().encode
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network

@@ -121,6 +121,15 @@ class Schedule(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_de
         return "cron" if self.cron is not None else "once"
 
 
+# A Schedule's three shapes: the field naming its kind, and the optional fields that kind
+# takes (herdwick/schedule.py refuses any other; gateway/openapi.py publishes each shape).
+SCHEDULE_SHAPES: dict[str, tuple[str, ...]] = {
+    "runAt": ("jitterSeconds",),
+    "delaySeconds": ("jitterSeconds",),
+    "cron": ("tz", "jitterSeconds", "overlap", "misfire"),
+}
+
+
 class ScheduleOut(msgspec.Struct, kw_only=True, rename="camel"):
     """A schedule as read back: the fields of its kind, every default filled in."""
 
@@ -177,7 +186,7 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="
 class JobBatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The body of POST /v1/jobs:batch."""
 
-    jobs: list[JobSpec]
+    jobs: Annotated[list[JobSpec], Meta(min_length=1, max_length=MAX_BATCH_JOBS)]
 
 
 class JobCreated(msgspec.Struct, kw_only=True, rename="camel"):
