@@ -16,6 +16,7 @@ import msgspec
 
 from herdwick import logs
 from herdwick.clock import Clock, SystemClock
+from herdwick.errors import StorageUnavailable
 
 log = logs.get("herdwick.actors")
 
@@ -162,6 +163,7 @@ class Supervisor:
         self._group = asyncio.TaskGroup()
         self._tasks: dict[str, asyncio.Task] = {}
         self._current: dict[str, Actor] = {}
+        self._stopping: set[str] = set()  # keys whose stop is under way: never restarted
         self._entered = False
         self.restarted = asyncio.Event()  # test signal: set each time an actor is rebuilt
 
@@ -202,32 +204,60 @@ class Supervisor:
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
                 crashed.set()
                 delay = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
-                log.exception("actor_crashed", actor=key, restart=restart, delay_s=delay)
-                if not restart:
+                again = restart and key not in self._stopping
+                if isinstance(exc, StorageUnavailable):
+                    # Postgres or Redis is away: a line a retry says it; a traceback
+                    # a retry per actor would bury everything else in the log.
+                    log.warning("actor_unavailable", actor=key, error=str(exc),
+                                restart=again, delay_s=delay)
+                else:
+                    log.exception("actor_crashed", actor=key, restart=again, delay_s=delay)
+                if not again:
                     return
                 failures += 1
                 await asyncio.sleep(delay * (0.5 + random.random()))
+                if key in self._stopping:
+                    return
                 actor = factory()
                 self._current[key] = actor
                 self.restarted.set()
 
     async def stop(self, key: str, timeout_s: float = 5.0) -> None:
-        """Send Stop and wait for the actor to finish; cancel it past the deadline."""
+        """Send Stop and wait for the actor to finish; cancel it past the deadline.
+
+        An actor not in its run loop (crashed and waiting out its restart backoff,
+        or not through on_start) holds no work to finish, and a Stop would not reach
+        it: it is cancelled at once. If this call is cancelled, so is the actor.
+        """
         task = self._tasks.pop(key, None)
         actor = self._current.pop(key, None)
         if task is None or actor is None:
             return
-        if not task.done():
+        self._stopping.add(key)
+        try:
+            if task.done():
+                return
+            if actor.stopped or not actor.ready.is_set():
+                await _cancelled(task)
+                return
             with contextlib.suppress(asyncio.QueueFull):
                 actor.mailbox.put_nowait(Stop())
-            done, _ = await asyncio.wait({task}, timeout=timeout_s)
-            if not done:
+            try:
+                done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            except asyncio.CancelledError:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                raise
+            if not done:
+                await _cancelled(task)
+        finally:
+            self._stopping.discard(key)
+
+    async def stop_many(self, keys: list[str], timeout_s: float = 5.0) -> None:
+        """Stop these actors at once, each under the deadline (not one after another)."""
+        await asyncio.gather(*(self.stop(key, timeout_s) for key in keys))
 
     def cancel(self, key: str) -> None:
         """Kill without a clean stop: what a crash looks like (fault tests)."""
@@ -236,12 +266,17 @@ class Supervisor:
         if task is not None:
             task.cancel()
 
-    async def stop_all(self) -> None:
-        for key in list(self._tasks):
-            await self.stop(key)
+    async def stop_all(self, timeout_s: float = 5.0) -> None:
+        await self.stop_many(list(self._tasks), timeout_s)
 
     def keys(self) -> list[str]:
         return list(self._tasks)
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def every(interval_s: float, send: Callable[[], Awaitable[None]],

@@ -113,7 +113,7 @@ class Coordinator(Actor):
     async def _stop_shards(self, shard_ids) -> None:
         for shard_id in shard_ids:
             self.leases.pop(shard_id, None)
-            await self._shards.stop(f"shard-{shard_id}")
+        await self._shards.stop_many([f"shard-{shard_id}" for shard_id in shard_ids])
 
     async def _step_down(self, shard_ids: set[int]) -> None:
         await self._stop_shards(sorted(shard_ids))

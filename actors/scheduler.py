@@ -49,6 +49,7 @@ DISPATCH_ACTORS = 2
 POOLS_REFRESH_S = 1.0  # a new pool's events are read within this
 DB_POOL_MAX = 16
 NOTIFY_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # resubscribe backoff once Redis drops; jittered
+NOTIFY_READ_S = 1.0  # longest notify read: how soon the listener sees a stop
 STOP_TIMEOUT_S = 5.0  # an actor's clean stop at shutdown, before it is cancelled
 # Dispatch actors and pool queues finish what they hold; the coordinator, a shard stop.
 DRAIN_TIMEOUT_S = 10.0
@@ -81,7 +82,9 @@ class Scheduler:
         self._core = Supervisor("scheduler")
         self._shards = Supervisor("shards")
         self._pools: dict[str, PoolQueue] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task] = []  # the tickers
+        self._notify: asyncio.Task | None = None
+        self._stopping = asyncio.Event()  # ends the notify listener between two reads
 
     async def start(self) -> Scheduler:
         self.db = self._given_db or await Database.connect(self.settings.database_url,
@@ -115,7 +118,7 @@ class Scheduler:
                                      (POOLS_REFRESH_S, "events")):
                 self._tasks.append(asyncio.create_task(
                     every(interval_s, lambda n=name: getattr(self, n).send(Tick()))))
-        self._tasks.append(asyncio.create_task(self._listen_notify(client)))
+        self._notify = asyncio.create_task(self._listen_notify(client))
         log.info("scheduler_started", node=self.node_id, shards=len(self.coordinator.leases))
         return self
 
@@ -186,17 +189,22 @@ class Scheduler:
         """
         channel = keys.notify_channel(self.settings.key_prefix)
         failures = 0
-        while True:
+        while not self._stopping.is_set():
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
                 if failures:
                     log.info("notify_resubscribed", failures=failures)
                     failures = 0
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
+                # Reads with a timeout, not listen(): cancelling a blocked pubsub read
+                # can leave the task hanging in redis-py, so stop() sets _stopping and
+                # the loop ends by itself within a read.
+                while not self._stopping.is_set():
+                    message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                       timeout=NOTIFY_READ_S)
+                    if message is not None and message.get("type") == "message":
                         self._wake_shards(message["data"])
-                error = "subscription ended"  # unsubscribed under us: subscribe again
+                return
             except (aioredis.RedisError, OSError) as exc:
                 error = str(exc)
             finally:
@@ -205,7 +213,9 @@ class Scheduler:
             delay_s = NOTIFY_RETRY_S[min(failures, len(NOTIFY_RETRY_S) - 1)]
             failures += 1
             log.warning("notify_unavailable", error=error, retry_s=delay_s)
-            await asyncio.sleep(delay_s * (0.5 + random.random()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(),
+                                       delay_s * (0.5 + random.random()))
 
     def _wake_shards(self, data: bytes) -> None:
         for note in decode_notify(data):
@@ -258,17 +268,21 @@ class Scheduler:
         for task in self._tasks:  # tickers first: no Tick, so no new claim
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._stopping.set()
+        if self._notify is not None:
+            done, _ = await asyncio.wait({self._notify}, timeout=NOTIFY_READ_S + 1)
+            if not done:  # a read redis-py would not give up: leave it to the loop's end
+                self._notify.cancel()
         if self.coordinator is not None:
-            await _stop_together(self._shards, self._shards.keys())
-            await _stop_together(self._core, ["coordinator"], timeout_s=DRAIN_TIMEOUT_S)
-            await _stop_together(self._shards, self._shards.keys())  # a claim in hand
-            await _stop_together(self._core, [f"dispatch-{i}" for i in
-                                              range(len(self.dispatchers))],
-                                 timeout_s=DRAIN_TIMEOUT_S)
-            await _stop_together(self._core, [f"pool-{pool}" for pool in self._pools],
-                                 timeout_s=DRAIN_TIMEOUT_S)
+            await self._shards.stop_all(STOP_TIMEOUT_S)
+            await self._core.stop("coordinator", timeout_s=DRAIN_TIMEOUT_S)
+            await self._shards.stop_all(STOP_TIMEOUT_S)  # a claim it had in hand
+            await self._core.stop_many([f"dispatch-{i}" for i in range(len(self.dispatchers))],
+                                       timeout_s=DRAIN_TIMEOUT_S)
+            await self._core.stop_many([f"pool-{pool}" for pool in self._pools],
+                                       timeout_s=DRAIN_TIMEOUT_S)
             await self.coordinator.release_all()
-        await _stop_together(self._core, self._core.keys())
+        await self._core.stop_all(STOP_TIMEOUT_S)
         await self._core.__aexit__(None, None, None)
         await self._shards.__aexit__(None, None, None)
         if self._given_redis is None and self.hot is not None:
@@ -281,27 +295,9 @@ class Scheduler:
         """Die without releasing anything (fault tests): tasks cancelled, leases left to expire."""
         for task in self._tasks:
             task.cancel()
+        if self._notify is not None:
+            self._notify.cancel()
         for key in self._shards.keys():
             self._shards.cancel(key)
         for key in self._core.keys():
             self._core.cancel(key)
-
-
-async def _stop_together(supervisor: Supervisor, keys: list[str],
-                         timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """Stop these actors at once, each under the deadline.
-
-    An actor that is not in its run loop (crashed and waiting out its restart
-    backoff, or not through on_start) holds no work to finish, and a Stop would
-    not reach it: the Supervisor hands Stop to the instance it has, and builds a
-    new one after the backoff. Waiting could only end at the deadline, so it is
-    cancelled at once.
-    """
-    stopping = []
-    for key in keys:
-        actor = supervisor.actor(key)
-        if actor is None or actor.stopped or not actor.ready.is_set():
-            supervisor.cancel(key)
-        else:
-            stopping.append(supervisor.stop(key, timeout_s=timeout_s))
-    await asyncio.gather(*stopping)

@@ -98,6 +98,35 @@ async def test_start_returns_when_an_actor_s_first_start_crashes() -> None:
     assert starts == 2
 
 
+async def test_stopping_actors_in_restart_backoff_is_immediate(caplog) -> None:
+    """Postgres gone: every shard crashed and waits to restart. A stop must not wait out
+    each one's deadline in turn, nor restart it after."""
+    from herdwick.errors import StorageUnavailable
+
+    class Unavailable(Recorder):
+        async def on_start(self) -> None:
+            raise StorageUnavailable("postgres unavailable: ConnectionRefusedError")
+
+    built = 0
+
+    def factory() -> Recorder:
+        nonlocal built
+        built += 1
+        return Unavailable([])
+
+    async with Supervisor() as sup:
+        for i in range(50):
+            await sup.start(f"s{i}", factory)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await asyncio.wait_for(sup.stop_all(timeout_s=5), timeout=5)
+        assert loop.time() - began < 1.0
+        assert sup.keys() == []  # their tasks ended: none can be rebuilt
+    assert built == 50
+    assert "event=actor_unavailable actor=s0" in caplog.text
+    assert "Traceback" not in caplog.text  # one line a retry, not a traceback
+
+
 async def test_an_actor_reused_by_its_factory_runs_again_after_a_crash() -> None:
     log: list = []
     actor = Recorder(log, crash_on="poison")
