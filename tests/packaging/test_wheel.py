@@ -216,6 +216,18 @@ def test_a_base_install_brings_no_extra_and_runs_from_the_venv(installed: Instal
     _run([installed.python, "-m", "pip", "check"], cwd=installed.home, env=env)
 
 
+def test_dev_without_the_embedded_extra_names_the_extra(installed: Installed,
+                                                         tmp_path: Path) -> None:
+    env = {**installed.environment(), "HERDWICK_DEV_DIR": str(tmp_path / "dev")}
+    env.pop("HERDWICK_DATABASE_URL", None)
+    env.pop("HERDWICK_REDIS_URL", None)
+    done = subprocess.run([installed.herdwick, "dev"], cwd=installed.home, env=env,
+                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "pip install 'herdwick[embedded]'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 # --- what a host does with it ---------------------------------------------------------
 
 
