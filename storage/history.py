@@ -6,7 +6,7 @@ import base64
 import binascii
 import struct
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import msgspec
 
@@ -20,6 +20,7 @@ from herdwick.storage.jobs import encode_cursor as id_cursor
 from herdwick.storage.sql import q
 
 _EXEC_CURSOR = "e1."
+TRIGGER_TRIES = 100
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -133,7 +134,16 @@ async def trigger(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, job_sta
         raise Conflict(f"a {job_state} job cannot be triggered")
     execution_id = uuid7(now)
     async with db.transaction() as conn:
-        await conn.execute(q("insert_execution"), execution_id, job_id, tenant_id, now, 0,
-                           "retry_wait")
-        await _queue_due(conn, job_id, execution_id, now, 1, now)
+        # An occurrence is unique by (job, scheduled_for): a trigger at an instant another
+        # execution of the job already has (a second trigger in the same microsecond, or
+        # the job's own due time) takes the next free microsecond.
+        at = now
+        for _ in range(TRIGGER_TRIES):
+            if await conn.fetchval(q("insert_execution"), execution_id, job_id, tenant_id, at, 0,
+                                   "retry_wait") is not None:
+                break
+            at += timedelta(microseconds=1)
+        else:
+            raise Conflict("this job has been triggered too often at this instant; retry")
+        await _queue_due(conn, job_id, execution_id, at, 1, now)
     return execution_id

@@ -39,8 +39,11 @@ UPDATE executions SET state = 'retry_wait', finished_at = NULL
 WHERE execution_id = $1 AND scheduled_for = $2;
 
 -- name: insert_execution
+-- A trigger's execution; nothing (NULL) if the job already has one at that instant.
 INSERT INTO executions (execution_id, job_id, tenant_id, scheduled_for, attempt, state, queued_at)
-VALUES ($1, $2, $3, $4, $5, $6, $4);
+VALUES ($1, $2, $3, $4, $5, $6, $4)
+ON CONFLICT (job_id, scheduled_for) DO NOTHING
+RETURNING execution_id;
 
 -- name: cancel_job_executions
 -- A canceled job's unfinished executions; returns them so their workers can be told.
