@@ -214,6 +214,8 @@ def test_a_base_install_brings_no_extra_and_runs_from_the_venv(installed: Instal
     assert found["distributions"] == []
     assert found["modules"] == []
     _run([installed.python, "-m", "pip", "check"], cwd=installed.home, env=env)
+    for action in ("submit", "herd", "e2e"):  # they import the load tests' modules
+        _run([installed.herdwick, "loadtest", action, "--help"], cwd=installed.home, env=env)
 
 
 def test_dev_without_the_embedded_extra_names_the_extra(installed: Installed,
