@@ -15,6 +15,10 @@ the pool's slot). Derived keys:
                      only while state is `leased`.
   base..':leases'    sorted set: execution id, scored by lease_until (ms), for hw_expire
   base..':events'    stream of what happened, read by the scheduler's event actor
+  base..':reserved'  stream slots hw_admit granted that no hw_publish has filled yet;
+                     expires, so a scheduler that died holding some gives them back
+  base..':drain'     hash: leases counted over the current second (since_ms, count) and
+                     the smoothed lease rate per second (rate): the default bound
 States: ready (published), leased, retry_wait, dead, done, canceled.
 Times are integer milliseconds of this server's clock (TIME), the one clock
 that workers and schedulers agree on.
@@ -41,7 +45,7 @@ the attempt started.)
   canceled   nothing more (worker_id is the holder's, '' if none)
 ]]
 
-local LIBRARY_VERSION = '8'
+local LIBRARY_VERSION = '9'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- done, dead and canceled hashes linger this long so a late duplicate call
 -- still meets its execution (and gets LEASE_LOST), then they go.
@@ -49,6 +53,14 @@ local TERMINAL_TTL_MS = 3600 * 1000
 local RETRY_CAP_MS = 3600 * 1000
 local EXPIRED_ERROR = '{"type":"LeaseExpired","message":"lease expired"}'
 local PUBLISH_FIELDS = 10
+-- The ready stream's default bound: the workers' smoothed lease rate times READY_WINDOW_MS,
+-- within [READY_MIN, READY_MAX] unless the scheduler gives one (hw_admit's cap).
+local READY_WINDOW_MS = 2000
+local READY_MIN = 2000
+local READY_MAX = 20000
+local RESERVED_TTL_MS = 10000
+local DRAIN_SECOND_MS = 1000
+local DRAIN_STALE_MS = 10000
 
 --[[
 hw_publish  KEYS[1] = P:{pool}
@@ -60,6 +72,8 @@ hw_publish  KEYS[1] = P:{pool}
             (one argument rather than 10 per execution: packing thousands of arguments
             a second was a tenth of the scheduler's time in a herd; MessagePack
             because cmsgpack unpacks it in a quarter less time than cjson does JSON)
+            ARGV[2] = optional: stream slots this publish fills of those hw_admit granted
+                   (given back from P:{pool}:reserved whether or not each was added)
 Writes each execution's hot state and XADDs it to P:{pool}:ready, unless
 that attempt (or a later one) was published already: republishing is a
 no-op, so a scheduler may retry a batch safely, and a done or canceled
@@ -91,6 +105,13 @@ local function hw_publish(keys, args)
                  'attempt', attempt, 'scheduled_for', x[5], 'payload', x[6],
                  'timeout_seconds', x[7], 'idempotency_key', x[8])
       added = added + 1
+    end
+  end
+  local filled = tonumber(args[2] or '0') or 0
+  if filled > 0 then
+    local reserved = base .. ':reserved'
+    if redis.call('DECRBY', reserved, filled) <= 0 then
+      redis.call('DEL', reserved)
     end
   end
   return added
@@ -269,11 +290,11 @@ local function lease_one(base, worker_id, lease_ms, execution_id, attempt, now, 
   local hot = base .. ':x:' .. execution_id
   local h = load_hot(hot)
   if h == nil or tonumber(h.attempt) ~= attempt then
-    return LEASE_LOST
+    return LEASE_LOST, false
   end
   local first = h.state == 'ready'
   if not first and not holds(h, attempt, worker_id, now) then
-    return LEASE_LOST
+    return LEASE_LOST, false
   end
   local lease_until = now + lease_ms
   if first then
@@ -287,15 +308,38 @@ local function lease_one(base, worker_id, lease_ms, execution_id, attempt, now, 
     emit(base, 'leased', execution_id, h, worker_id, now, {'lease_until_ms', fmt(lease_until)},
          events)
   end
-  return lease_until
+  return lease_until, first
+end
+
+-- `n` ready executions were leased for the first time: the pool's lease rate (the
+-- default bound of its stream) counts them.
+local function count_leases(base, n, now)
+  if n == 0 then
+    return
+  end
+  local drain = base .. ':drain'
+  local d = redis.call('HMGET', drain, 'since_ms', 'count', 'rate')
+  local since, count, rate = tonumber(d[1]), tonumber(d[2]) or 0, tonumber(d[3]) or 0
+  if not since or now - since >= DRAIN_STALE_MS then
+    redis.call('HSET', drain, 'since_ms', fmt(now), 'count', n)
+  elseif now - since >= DRAIN_SECOND_MS then
+    local measured = count * 1000 / (now - since)
+    rate = rate > 0 and (rate + measured) / 2 or measured
+    redis.call('HSET', drain, 'since_ms', fmt(now), 'count', n, 'rate', tostring(rate))
+  else
+    redis.call('HINCRBY', drain, 'count', n)
+  end
+  redis.call('PEXPIRE', drain, HOT_TTL_MS)
 end
 
 local function hw_lease(keys, args)
   local worker_id = worker_arg('hw_lease', args[1])
   local lease_ms = lease_ms_arg('hw_lease', args[2])
   local attempt = int_arg('hw_lease', 'attempt', args[4])
-  -- (now_ms()): only its first value; a bare call would fill the `events` argument too
-  return lease_one(keys[1], worker_id, lease_ms, args[3], attempt, (now_ms()))
+  local now = now_ms()
+  local reply, first = lease_one(keys[1], worker_id, lease_ms, args[3], attempt, now)
+  count_leases(keys[1], first and 1 or 0, now)
+  return reply
 end
 
 --[[
@@ -312,13 +356,17 @@ local function hw_lease_batch(keys, args)
     bad_arg('hw_lease_batch', 'takes execution_id, attempt pairs')
   end
   local now = now_ms()
-  local replies, events = {}, {}
+  local replies, events, firsts = {}, {}, 0
   for i = 3, #args, 2 do
     local attempt = int_arg('hw_lease_batch', 'attempt', args[i + 1])
-    replies[#replies + 1] = lease_one(keys[1], worker_id, lease_ms, args[i], attempt, now,
-                                      events)
+    local reply, first = lease_one(keys[1], worker_id, lease_ms, args[i], attempt, now, events)
+    replies[#replies + 1] = reply
+    if first then
+      firsts = firsts + 1
+    end
   end
   flush(keys[1], events)
+  count_leases(keys[1], firsts, now)
   return replies
 end
 
@@ -486,6 +534,7 @@ local function hw_cancel(keys, args)
   redis.call('HSET', hot, 'state', 'canceled')
   redis.call('PEXPIRE', hot, TERMINAL_TTL_MS)
   redis.call('ZREM', base .. ':leases', execution_id)
+
   if h.state ~= 'retry_wait' then
     local holder = h.state == 'leased' and h.lease_owner or ''
     emit(base, 'canceled', execution_id, h, holder, now, {})
@@ -493,7 +542,129 @@ local function hw_cancel(keys, args)
   return OK
 end
 
+--[[
+hw_admit  KEYS[1] = P:{pool}
+          ARGV = want (stream slots asked for), cap (the bound: > 0 to set it, 0 for the
+                 default from the lease rate), release (slots granted earlier and not
+                 used: given back first)
+The scheduler's fair queue asks before it dispatches: the pool's ready stream
+holds at most `cap` entries not yet delivered to a worker (the `workers`
+group's lag, which the stream itself keeps, so nothing can drift), counting
+the slots granted and not yet published (P:{pool}:reserved): several
+schedulers together keep the bound, and a dead one's grants expire after
+RESERVED_TTL_MS. The default cap is the workers' lease rate over
+READY_WINDOW_MS, within [READY_MIN, READY_MAX]: a pool whose workers are slow
+or gone holds little, and backs up only itself.
+Reply: {granted, cap, undelivered, reserved} (integers).
+]]
+-- Entries of the pool's ready stream not yet delivered to the `workers` group.
+local function undelivered(base)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', base .. ':ready')
+  if not ok then
+    return 0  -- no stream yet
+  end
+  for _, g in ipairs(groups) do
+    local fields = {}
+    for i = 1, #g, 2 do
+      fields[g[i]] = g[i + 1]
+    end
+    if fields['name'] == 'workers' then
+      local lag = tonumber(fields['lag'])
+      if lag then
+        return lag
+      end
+      return redis.call('XLEN', base .. ':ready')  -- lag unknown: count every entry
+    end
+  end
+  return redis.call('XLEN', base .. ':ready')  -- no group yet: nothing delivered
+end
+
+local function hw_admit(keys, args)
+  local base = keys[1]
+  local want = int_arg('hw_admit', 'want', args[1])
+  local cap = int_arg('hw_admit', 'cap', args[2] or '0')
+  local release = int_arg('hw_admit', 'release', args[3] or '0')
+  local reserved_key = base .. ':reserved'
+  local reserved = tonumber(redis.call('GET', reserved_key) or '0')
+  if release > 0 then
+    reserved = math.max(0, reserved - release)
+  end
+  if cap <= 0 then
+    local now = now_ms()
+    local d = redis.call('HMGET', base .. ':drain', 'since_ms', 'rate')
+    local rate = tonumber(d[2]) or 0
+    if not tonumber(d[1]) or now - tonumber(d[1]) >= DRAIN_STALE_MS then
+      rate = 0  -- nobody leased for a while: the workers may be gone
+    end
+    cap = math.min(READY_MAX, math.max(READY_MIN, math.floor(rate * READY_WINDOW_MS / 1000)))
+  end
+  local waiting = undelivered(base)
+  local granted = math.max(0, math.min(want, cap - waiting - reserved))
+  reserved = reserved + granted
+  if reserved > 0 then
+    redis.call('SET', reserved_key, reserved, 'PX', RESERVED_TTL_MS)
+  else
+    redis.call('DEL', reserved_key)
+  end
+  return {granted, cap, waiting, reserved}
+end
+
+--[[
+hw_take  KEYS[1] = P:{t.<tenant_id>}:bucket (the tenant's own slot: one bucket a tenant,
+                   whichever pools its jobs use)
+         ARGV = want, rate (tokens a second, > 0), burst (most tokens held, >= 1)
+A token bucket: refills at `rate` up to `burst`, and gives up to `want` whole
+tokens. Rate and burst come with each call, so a changed quota applies at
+once. Reply: {granted, ms until the next whole token (0 if one is there)}.
+hw_put   KEYS[1] = the bucket; ARGV = tokens, burst: gives back tokens taken and not used.
+]]
+local function bucket_now(key, rate, burst, now)
+  local b = redis.call('HMGET', key, 'tokens', 'at_ms')
+  local tokens, at = tonumber(b[1]), tonumber(b[2])
+  if not tokens or not at then
+    return burst
+  end
+  return math.min(burst, tokens + math.max(0, now - at) * rate / 1000)
+end
+
+local function bucket_save(key, tokens, rate, burst, now)
+  redis.call('HSET', key, 'tokens', tostring(tokens), 'at_ms', fmt(now))
+  -- once full again the bucket says nothing a fresh one would not
+  redis.call('PEXPIRE', key, math.ceil(burst / rate * 1000) + 60000)
+end
+
+local function hw_take(keys, args)
+  local want = int_arg('hw_take', 'want', args[1])
+  local rate, burst = tonumber(args[2]), tonumber(args[3])
+  if not rate or rate <= 0 or not burst or burst < 1 then
+    bad_arg('hw_take', 'rate must be > 0 and burst >= 1')
+  end
+  local now = now_ms()
+  local tokens = bucket_now(keys[1], rate, burst, now)
+  local granted = math.max(0, math.min(want, math.floor(tokens)))
+  tokens = tokens - granted
+  bucket_save(keys[1], tokens, rate, burst, now)
+  local wait = 0
+  if tokens < 1 then
+    wait = math.ceil((1 - tokens) * 1000 / rate)
+  end
+  return {granted, wait}
+end
+
+local function hw_put(keys, args)
+  local n = int_arg('hw_put', 'tokens', args[1])
+  local burst = tonumber(args[2])
+  local b = redis.call('HMGET', keys[1], 'tokens', 'at_ms')
+  if n > 0 and tonumber(b[1]) and burst then
+    redis.call('HSET', keys[1], 'tokens', tostring(math.min(burst, tonumber(b[1]) + n)))
+  end
+  return n
+end
+
 redis.register_function('hw_publish', hw_publish)
+redis.register_function{function_name = 'hw_admit', callback = hw_admit}
+redis.register_function{function_name = 'hw_take', callback = hw_take}
+redis.register_function{function_name = 'hw_put', callback = hw_put}
 redis.register_function{function_name = 'hw_version', callback = hw_version,
                         flags = {'no-writes'}}
 -- The rest write hot state and the events stream: default flags (may write,

@@ -44,6 +44,22 @@ class ReadyExecution(msgspec.Struct, frozen=True, kw_only=True):
                 self.idempotency_key, str(self.max_attempts), str(self.backoff_ms)]
 
 
+class Admission(msgspec.Struct, frozen=True, kw_only=True):
+    """hw_admit's answer: slots granted; the bound, the undelivered and reserved now."""
+
+    granted: int
+    cap: int
+    waiting: int
+    reserved: int
+
+
+class TokenAsk(msgspec.Struct, frozen=True):
+    tenant_id: str
+    want: int
+    rate: float  # tokens a second
+    burst: float
+
+
 _publish_encoder = msgspec.msgpack.Encoder()
 
 
@@ -58,6 +74,8 @@ class NotifyMessage(msgspec.Struct, frozen=True, array_like=True):
     shard_id: int
     job_id: str
     next_run_at_us: int  # microseconds: the heap key must match the due row exactly
+    tenant_id: str = ""  # what the shard's fair queue orders it by (empty: an older gateway)
+    pool: str = ""
 
 
 _notify_encoder = msgspec.json.Encoder()
@@ -98,20 +116,67 @@ class HotTier:
             raise StorageUnavailable(f"redis: cannot create the group: {exc}") from exc
         self._groups.add(pool)
 
-    async def publish(self, batches: dict[str, list[ReadyExecution]]) -> int:
-        """Publish executions, grouped by pool, in one pipeline; returns how many were added."""
+    async def publish(self, batches: dict[str, list[ReadyExecution]],
+                      filled: dict[str, int] | None = None) -> int:
+        """Publish executions, grouped by pool, in one pipeline; returns how many were added.
+
+        `filled` gives back, per pool, the stream slots hw_admit granted for them.
+        """
+        filled = filled or {}
         for pool in batches:
             await self.ensure_group(pool)
         pipe = self.client.pipeline(transaction=False)
         for pool, items in batches.items():
             base = keys.pool_base(self.prefix, pool)
+            slots = filled.get(pool, 0)
+            if not items and slots:
+                pipe.fcall("hw_publish", 1, base, publish_arg([]), slots)
             for start in range(0, len(items), PUBLISH_CHUNK):
-                pipe.fcall("hw_publish", 1, base, publish_arg(items[start:start + PUBLISH_CHUNK]))
+                chunk = items[start:start + PUBLISH_CHUNK]
+                pipe.fcall("hw_publish", 1, base, publish_arg(chunk), slots if start == 0 else 0)
         try:
             results = await pipe.execute()
         except RedisError as exc:
             raise StorageUnavailable(f"redis: publish failed: {exc}") from exc
         return sum(int(r) for r in results)
+
+    async def admit(self, pool: str, want: int, cap: int = 0, release: int = 0) -> Admission:
+        """Ask for up to `want` slots of the pool's ready stream (hw_admit)."""
+        try:
+            reply = await self.client.fcall("hw_admit", 1, keys.pool_base(self.prefix, pool),
+                                            want, cap, release)
+        except RedisError as exc:
+            raise StorageUnavailable(f"redis: hw_admit failed: {exc}") from exc
+        granted, cap_now, waiting, reserved = (int(v) for v in reply)
+        return Admission(granted=granted, cap=cap_now, waiting=waiting, reserved=reserved)
+
+    async def take_tokens(self, asks: list[TokenAsk]) -> list[tuple[int, int]]:
+        """Each tenant's dispatch tokens, one hw_take a bucket, in one round trip:
+        (granted, ms until the next token) per ask."""
+        if not asks:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for ask in asks:
+            pipe.fcall("hw_take", 1, keys.tenant_bucket(self.prefix, ask.tenant_id), ask.want,
+                       repr(ask.rate), repr(ask.burst))
+        try:
+            replies = await pipe.execute()
+        except RedisError as exc:
+            raise StorageUnavailable(f"redis: hw_take failed: {exc}") from exc
+        return [(int(granted), int(wait_ms)) for granted, wait_ms in replies]
+
+    async def put_tokens(self, returns: list[tuple[str, int, float]]) -> None:
+        """Tokens taken and not used, back to (tenant, count, burst)'s bucket."""
+        if not returns:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for tenant_id, count, burst in returns:
+            pipe.fcall("hw_put", 1, keys.tenant_bucket(self.prefix, tenant_id), count,
+                       repr(burst))
+        try:
+            await pipe.execute()
+        except RedisError as exc:
+            raise StorageUnavailable(f"redis: hw_put failed: {exc}") from exc
 
     async def pools(self) -> list[str]:
         """Every pool that has had work published, on any node."""

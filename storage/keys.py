@@ -29,6 +29,12 @@ def leases_zset(prefix: str, pool: str) -> str:
     return pool_base(prefix, pool) + ":leases"
 
 
+def tenant_bucket(prefix: str, tenant_id: str) -> str:
+    """A tenant's dispatch-rate token bucket (hw_take), in a slot of its own: one bucket
+    a tenant, shared by every pool its jobs use and by every scheduler."""
+    return f"{prefix}:{{t.{tenant_id}}}:bucket"
+
+
 def notify_channel(prefix: str) -> str:
     """Pub/sub channel: the gateway announces near-due submissions to the shard owners."""
     return f"{prefix}:notify"
