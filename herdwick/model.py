@@ -61,6 +61,7 @@ ZoneName = Annotated[str, Meta(min_length=1, max_length=64)]
 AwareTime = Annotated[datetime, Meta(tz=True)]
 Weight = Annotated[WholeNumber, Meta(ge=1, le=1000)]
 DispatchRate = Annotated[float, Meta(gt=0, le=1_000_000)]
+Burst = Annotated[float, Meta(ge=1, le=100_000_000)]  # tokens; unset: one second of the rate
 MaxActiveJobs = Annotated[WholeNumber, Meta(ge=1, le=100_000_000)]
 TenantName = Annotated[str, Meta(min_length=1, max_length=200,
                                  extra_json_schema={"pattern": NAME_PATTERN})]
@@ -238,6 +239,7 @@ class TenantSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, renam
     name: TenantName
     weight: Weight = 1
     dispatch_rate: DispatchRate | None = None
+    burst: Burst | None = None
     max_active_jobs: MaxActiveJobs | None = None
 
     def __post_init__(self) -> None:
@@ -247,11 +249,13 @@ class TenantSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, renam
 class TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="camel"):
     """The body of PATCH /v1/tenants/{tenantId}; an absent field is left as it is.
 
-    dispatchRate and maxActiveJobs may be set to null to lift the limit.
+    dispatchRate, burst and maxActiveJobs may be set to null to lift the limit (burst:
+    back to one second of the rate).
     """
 
     weight: Weight | msgspec.UnsetType = msgspec.UNSET
     dispatch_rate: DispatchRate | msgspec.UnsetType | None = msgspec.UNSET
+    burst: Burst | msgspec.UnsetType | None = msgspec.UNSET
     max_active_jobs: MaxActiveJobs | msgspec.UnsetType | None = msgspec.UNSET
 
     def __post_init__(self) -> None:
@@ -269,8 +273,10 @@ class Tenant(msgspec.Struct, kw_only=True, rename="camel"):
     name: str
     weight: int
     dispatch_rate: float | None
+    burst: float | None
     max_active_jobs: int | None
     created_at: datetime
+    updated_at: datetime
 
 
 class SigningSecret(msgspec.Struct, kw_only=True, rename="camel"):

@@ -30,7 +30,7 @@ async def create_tenant(db: Database, spec: TenantSpec, now: datetime) -> Tenant
     async with db.connection() as conn:
         await conn.execute(
             q("create_tenant"), tenant_id, spec.name, spec.weight, spec.dispatch_rate,
-            spec.max_active_jobs, secret, hash_api_key(api_key), now)
+            spec.max_active_jobs, secret, hash_api_key(api_key), now, spec.burst)
     return TenantCreated(tenant_id=tenant_id, api_key=api_key, signing_secret=secret)
 
 
@@ -45,8 +45,9 @@ async def owner_of_key(db: Database, api_key: str) -> KeyOwner | None:
 
 def _tenant(row: asyncpg.Record) -> Tenant:
     return Tenant(tenant_id=row["tenant_id"], name=row["name"], weight=row["weight"],
-                  dispatch_rate=row["dispatch_rate"], max_active_jobs=row["max_active_jobs"],
-                  created_at=row["created_at"])
+                  dispatch_rate=row["dispatch_rate"], burst=row["burst"],
+                  max_active_jobs=row["max_active_jobs"], created_at=row["created_at"],
+                  updated_at=row["updated_at"])
 
 
 async def get_tenant(db: Database, tenant_id: uuid.UUID) -> Tenant:
@@ -61,12 +62,36 @@ async def patch_tenant(db: Database, tenant_id: uuid.UUID, patch: TenantPatch) -
     def field(value: object) -> tuple[bool, object]:
         return (False, None) if value is msgspec.UNSET else (True, value)
 
-    args = (*field(patch.weight), *field(patch.dispatch_rate), *field(patch.max_active_jobs))
+    args = (*field(patch.weight), *field(patch.dispatch_rate), *field(patch.max_active_jobs),
+            *field(patch.burst))
     async with db.connection() as conn:
         row = await conn.fetchrow(q("patch_tenant"), tenant_id, *args)
     if row is None:
         raise NotFound(f"tenant {tenant_id} does not exist")
     return _tenant(row)
+
+
+class TenantLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What a fair queue needs of a tenant: its share and its dispatch-rate quota."""
+
+    weight: int = 1
+    rate: float | None = None  # dispatches a second; None: no quota
+    burst: float | None = None  # tokens its bucket holds; None: one second of the rate
+
+    @property
+    def bucket_size(self) -> float:
+        return self.burst or max(1.0, self.rate or 1.0)
+
+
+async def limits_since(db: Database,
+                       since: datetime | None) -> tuple[dict[str, TenantLimits], datetime | None]:
+    """Tenants whose settings changed after `since` (all when None), by tenant id text,
+    and the latest change seen (the next call's `since`)."""
+    async with db.connection() as conn:
+        rows = await conn.fetch(q("tenant_limits_since"), since)
+    changed = {str(r["tenant_id"]): TenantLimits(weight=r["weight"], rate=r["dispatch_rate"],
+                                                 burst=r["burst"]) for r in rows}
+    return changed, rows[-1]["updated_at"] if rows else since
 
 
 async def rotate_signing_secret(db: Database, tenant_id: uuid.UUID) -> str:

@@ -1,8 +1,9 @@
 -- name: create_tenant
 -- Inserts a tenant and its first API key (hash only) in one statement.
 WITH t AS (
-    INSERT INTO tenants (tenant_id, name, weight, dispatch_rate, max_active_jobs, signing_secret, created_at)
-    VALUES ($1, $2, $3, $4, $5, $6, $8)
+    INSERT INTO tenants (tenant_id, name, weight, dispatch_rate, max_active_jobs, signing_secret,
+                         created_at, updated_at, burst)
+    VALUES ($1, $2, $3, $4, $5, $6, $8, $8, $9)
     RETURNING tenant_id
 )
 INSERT INTO api_keys (key_hash, tenant_id, created_at)
@@ -15,17 +16,26 @@ FROM api_keys k JOIN tenants t USING (tenant_id)
 WHERE k.key_hash = $1 AND k.revoked_at IS NULL;
 
 -- name: get_tenant
-SELECT tenant_id, name, weight, dispatch_rate, max_active_jobs, created_at
+SELECT tenant_id, name, weight, dispatch_rate, burst, max_active_jobs, created_at, updated_at
 FROM tenants WHERE tenant_id = $1;
 
 -- name: patch_tenant
 -- Sets the fields whose "set" flag is true; returns the tenant as it now is.
+-- updated_at moves (by at least a microsecond), so schedulers see the change.
 UPDATE tenants SET
     weight          = CASE WHEN $2 THEN $3 ELSE weight END,
     dispatch_rate   = CASE WHEN $4 THEN $5 ELSE dispatch_rate END,
-    max_active_jobs = CASE WHEN $6 THEN $7 ELSE max_active_jobs END
+    max_active_jobs = CASE WHEN $6 THEN $7 ELSE max_active_jobs END,
+    burst           = CASE WHEN $8 THEN $9 ELSE burst END,
+    updated_at      = greatest(clock_timestamp(), updated_at + interval '1 microsecond')
 WHERE tenant_id = $1
-RETURNING tenant_id, name, weight, dispatch_rate, max_active_jobs, created_at;
+RETURNING tenant_id, name, weight, dispatch_rate, burst, max_active_jobs, created_at, updated_at;
+
+-- name: tenant_limits_since
+-- What the schedulers' fair queues need of each tenant, changed after $1 (all when NULL).
+SELECT tenant_id, weight, dispatch_rate, burst, updated_at
+FROM tenants WHERE $1::timestamptz IS NULL OR updated_at > $1
+ORDER BY updated_at;
 
 -- name: rotate_signing_secret
 UPDATE tenants SET signing_secret = $2 WHERE tenant_id = $1 RETURNING tenant_id;
