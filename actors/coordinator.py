@@ -10,7 +10,7 @@ claim bumps the shard's revision, the fencing token its dispatches carry.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from herdwick import logs
@@ -43,13 +43,15 @@ class Coordinator(Actor):
     name = "coordinator"
 
     def __init__(self, node_id: str, *, db: Database, clock: Clock, shards: Supervisor,
-                 make_shard: Callable[[int, int], Actor], db_now: bool = False) -> None:
+                 make_shard: Callable[[int, int], Actor], db_now: bool = False,
+                 released: Callable[[set[int]], Awaitable[None]] | None = None) -> None:
         super().__init__(clock=clock)
         self.node_id = node_id
         self._db = db
         self._shards = shards
         self._make_shard = make_shard
         self._db_now = db_now
+        self._released = released  # told of shards this node let go, lost or given back
         self.leases: dict[int, int] = {}
 
     def _now(self) -> datetime | None:
@@ -114,6 +116,8 @@ class Coordinator(Actor):
         for shard_id in shard_ids:
             self.leases.pop(shard_id, None)
         await self._shards.stop_many([f"shard-{shard_id}" for shard_id in shard_ids])
+        if self._released is not None and shard_ids:
+            await self._released(set(shard_ids))
 
     async def _step_down(self, shard_ids: set[int]) -> None:
         await self._stop_shards(sorted(shard_ids))

@@ -1,11 +1,13 @@
 """The dispatch actor: turns due rows into queued executions, one fenced transaction a batch.
 
-Shard actors send it `Due` batches; it drains its mailbox into one batch
-(so the busier it is, the bigger and cheaper its transactions: group
-commit), runs storage.dispatch.dispatch - which holds every shard's lease
-row FOR SHARE and checks the revision - then hands the queued executions to
-their pools' queues. Shards whose lease did not check out are reported to
-the coordinator, which steps down from them.
+The pools' fair queues send it `Due` batches (the work they picked for room on
+their streams); it drains its mailbox into one batch (so the busier it is, the
+bigger and cheaper its transactions: group commit), runs
+storage.dispatch.dispatch - which holds every shard's lease row FOR SHARE and
+checks the revision - then hands the queued executions back to their pools'
+fair queues to publish, with the Dues they settle. Shards whose lease did not
+check out are reported to the coordinator, which steps down from them. Shard
+actors send it `Reject`s: rows they could not load.
 
 A batch may span shards: fencing stays per shard (each lease row is
 checked), but one transaction per batch instead of per shard is what lets
@@ -24,8 +26,7 @@ from herdwick import logs
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor
 from herdwick.actors.messages import Due, LeaseLost, Publish, Reject
-from herdwick.actors.shard import to_us
-from herdwick.clock import Clock
+from herdwick.clock import Clock, to_us
 from herdwick.errors import Rejected, row_error
 from herdwick.ids import uuid7
 from herdwick.model import Schedule
@@ -162,15 +163,18 @@ class DispatchActor(Actor):
             taken, dues = _take(dues, MAX_BATCH_KEYS)
             try:
                 await self.run_once(taken)
-            finally:  # committed or not: the shards may load their rows again
-                for due in taken:
-                    due.settled.set()
+            except BaseException:
+                # Nothing committed: the fair queues settle the work (its rows stay due,
+                # and their shards load them again) and give back its stream slots.
+                for pool, pool_dues in _by_pool(taken).items():
+                    await self._publish(pool, Publish([], [], pool_dues))
+                raise
 
     async def run_once(self, dues: list[Due]) -> store.Dispatched:
         revisions: dict[int, int] = {}
         keys: list[DueKey] = []
         for due in dues:
-            revisions[due.shard_id] = due.revision
+            revisions.update(due.revisions)
             keys += due.keys
         now = self.clock.now()
         result = await self._dispatch(revisions, keys, now)
@@ -178,8 +182,12 @@ class DispatchActor(Actor):
         if lost:
             log.warning("dispatch_fenced", shards=sorted(lost))
             await self._lease_lost(LeaseLost(lost))
-        for pool, publish in ready_executions(result).items():
-            await self._publish(pool, publish)
+        ready = ready_executions(result)
+        pool_dues = _by_pool(dues)
+        for pool in sorted(set(ready) | set(pool_dues)):
+            publish = ready.get(pool, Publish([], []))
+            await self._publish(pool, Publish(publish.items, publish.scheduled_us,
+                                              pool_dues.get(pool, [])))
         if result.replaced and self._cancel is not None:
             pools = {c.job_id: c.pool for c in result.claimed}
             for execution_id, job_id in result.replaced:
@@ -240,3 +248,10 @@ def _take(dues: list[Due], limit: int) -> tuple[list[Due], list[Due]]:
         taken.append(due)
         count += len(due.keys)
     return taken, []
+
+
+def _by_pool(dues: list[Due]) -> dict[str, list[Due]]:
+    by_pool: dict[str, list[Due]] = {}
+    for due in dues:
+        by_pool.setdefault(due.pool, []).append(due)
+    return by_pool

@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
-import asyncio
+import uuid
 
 import msgspec
 
+from herdwick.clock import from_us
 from herdwick.storage.dispatch import DueKey
 from herdwick.storage.hot import ReadyExecution
+
+_JOB_BITS = 128
+_SHARD_BITS = 8
+_JOB_MASK = (1 << _JOB_BITS) - 1
+
+
+def item(due_us: int, shard_id: int, job_id_int: int) -> int:
+    """A fair queue's unit of work: a due row as an int whose high bits are its due time,
+    so ints sort by due time (then shard, then job)."""
+    return (due_us << _SHARD_BITS | shard_id) << _JOB_BITS | job_id_int
+
+
+def item_key(work: int) -> DueKey:
+    head = work >> _JOB_BITS
+    return DueKey(head & 0xFF, from_us(head >> _SHARD_BITS), uuid.UUID(int=work & _JOB_MASK))
+
+
+def item_shard(work: int) -> int:
+    return work >> _JOB_BITS & 0xFF
 
 
 class NotifyDue(msgspec.Struct, frozen=True):
@@ -15,19 +35,43 @@ class NotifyDue(msgspec.Struct, frozen=True):
 
     job_id_int: int
     due_us: int
+    tenant_id: str = ""  # empty from a gateway of an older release: left to the next load
+    pool: str = ""
 
 
-class Due(msgspec.Struct, frozen=True):
-    """Due rows popped from one shard's heap (shard actor -> dispatcher).
+class Handed:
+    """One shard's batch of due work in the fair queues' hands.
 
-    `settled` is set by the dispatcher once the batch's transaction ended
-    (committed or not); the shard defers its reloads until then.
+    The fair queues lower `remaining` as its items are dispatched or found to
+    be duplicates; the shard defers its reloads while any of its batches has
+    items left (reloading them would only hand them over again). Written by the
+    fair queues, read by the shard: one event loop, so no lock.
     """
+
+    __slots__ = ("remaining",)
+
+    def __init__(self, remaining: int) -> None:
+        self.remaining = remaining
+
+
+class Ready(msgspec.Struct, frozen=True):
+    """Due work of one shard for one pool, in due order (shard actor -> fair queue)."""
 
     shard_id: int
     revision: int
+    items: list[tuple[str, int]]  # (tenant id, fair-queue item: see actors.fairqueue.item)
+    handed: Handed
+
+
+class Due(msgspec.Struct, frozen=True):
+    """A fair queue's pick for one pool, to dispatch in one fenced transaction
+    (fair queue -> dispatcher). The dispatcher answers with a Publish carrying it."""
+
+    pool: str
+    revisions: dict[int, int]  # shard -> the revision its keys were loaded under
     keys: list[DueKey]
-    settled: asyncio.Event = msgspec.field(default_factory=asyncio.Event)
+    items: list[int]  # the same work as fair-queue items, for the fair queue to settle
+    slots: int  # stream slots hw_admit granted for it: given back when it is published
 
 
 class Reject(msgspec.Struct, frozen=True):
@@ -40,10 +84,18 @@ class Reject(msgspec.Struct, frozen=True):
 
 
 class Publish(msgspec.Struct, frozen=True):
-    """Committed executions of one pool, to put on its ready stream (dispatcher -> pool queue)."""
+    """Committed executions of one pool, to put on its ready stream, and the Dues they came
+    from (dispatcher -> fair queue). The sweeper's republishes come from no Due."""
 
     items: list[ReadyExecution]
     scheduled_us: list[int]  # per item, for the dispatch-lag histogram
+    dues: list[Due] = []
+
+
+class Forget(msgspec.Struct, frozen=True):
+    """These shards left this node: drop their waiting work (scheduler -> fair queue)."""
+
+    shard_ids: frozenset[int]
 
 
 class LeaseLost(msgspec.Struct, frozen=True):

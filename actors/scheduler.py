@@ -17,6 +17,7 @@ import os
 import random
 import socket
 import uuid
+from datetime import datetime, timedelta
 
 import redis.asyncio as aioredis
 
@@ -25,10 +26,10 @@ from herdwick.actors.base import Supervisor, Tick, every, sync
 from herdwick.actors.coordinator import RENEW_INTERVAL_S, Coordinator
 from herdwick.actors.dispatcher import DispatchActor
 from herdwick.actors.executions import ExecutionEvents
+from herdwick.actors.fairqueue import FairQueue
 from herdwick.actors.maintenance import INTERVAL_S as MAINTENANCE_INTERVAL_S
 from herdwick.actors.maintenance import Maintenance
-from herdwick.actors.messages import LeaseLost, NotifyDue, Publish
-from herdwick.actors.poolqueue import PoolQueue
+from herdwick.actors.messages import Forget, LeaseLost, NotifyDue, Publish, Ready
 from herdwick.actors.reaper import INTERVAL_S as REAPER_INTERVAL_S
 from herdwick.actors.reaper import Reaper
 from herdwick.actors.shard import ShardActor
@@ -39,15 +40,19 @@ from herdwick.config import Settings
 from herdwick.errors import StorageUnavailable
 from herdwick.metrics import Histogram
 from herdwick.storage import keys, migrate
+from herdwick.storage import tenants as tenant_store
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier, decode_notify
 from herdwick.storage.protocol import Protocol
+from herdwick.storage.tenants import TenantLimits
 
 log = logs.get("herdwick.scheduler")
 
 DISPATCH_ACTORS = 2
 POOLS_REFRESH_S = 1.0  # a new pool's events are read within this
 DB_POOL_MAX = 16
+LIMITS_REFRESH_S = 2.0  # a tenant's new weight or quota reaches every node within this
+LIMITS_LOOKBACK = timedelta(seconds=5)  # reread so a change that committed late is not missed
 NOTIFY_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # resubscribe backoff once Redis drops; jittered
 NOTIFY_READ_S = 1.0  # longest notify read: how soon the listener sees a stop
 STOP_TIMEOUT_S = 5.0  # an actor's clean stop at shutdown, before it is cancelled
@@ -74,14 +79,19 @@ class Scheduler:
         self._dispatch_count = dispatch_actors
         # Leases are checked against the database's clock unless a test injected one.
         self._db_now = clock is None
-        self.lag: dict[str, Histogram] = {}  # tenant -> dispatch lag; written by pool queues
+        self.lag: dict[str, Histogram] = {}  # tenant -> dispatch lag; written by fair queues
+        # tenant id -> weight and quota: written by _refresh_limits alone, read by fair queues
+        self.limits: dict[str, TenantLimits] = {}
+        self._limits_seen: datetime | None = None
+        self._order = settings.dispatch_order
+        self._caps = settings.ready_caps
         self.db: Database | None = None
         self.hot: HotTier | None = None
         self.dispatchers: list[DispatchActor] = []
         self.coordinator: Coordinator | None = None
         self._core = Supervisor("scheduler")
         self._shards = Supervisor("shards")
-        self._pools: dict[str, PoolQueue] = {}
+        self._pools: dict[str, FairQueue] = {}
         self._tasks: list[asyncio.Task] = []  # the tickers
         self._notify: asyncio.Task | None = None
         self._stopping = asyncio.Event()  # ends the notify listener between two reads
@@ -94,6 +104,7 @@ class Scheduler:
         client = self._given_redis or aioredis.from_url(self.settings.redis_url)
         self.hot = HotTier(client, self.settings.key_prefix)
         await self.hot.load_functions()
+        await self.refresh_limits()
         await self._core.__aenter__()
         await self._shards.__aenter__()
         for i in range(self._dispatch_count):
@@ -104,7 +115,7 @@ class Scheduler:
             await self._core.start(f"dispatch-{i}", lambda a=actor: a, restart=True)
         self.coordinator = Coordinator(self.node_id, db=self.db, clock=self.clock,
                                        shards=self._shards, make_shard=self._make_shard,
-                                       db_now=self._db_now)
+                                       db_now=self._db_now, released=self._released)
         await self._core.start("coordinator", lambda: self.coordinator)
         self.maintenance = Maintenance(db=self.db, clock=self.clock)
         await self._core.start("maintenance", lambda: self.maintenance)
@@ -118,6 +129,8 @@ class Scheduler:
                                      (POOLS_REFRESH_S, "events")):
                 self._tasks.append(asyncio.create_task(
                     every(interval_s, lambda n=name: getattr(self, n).send(Tick()))))
+            self._tasks.append(asyncio.create_task(every(LIMITS_REFRESH_S,
+                                                         self._refresh_limits_quietly)))
         self._notify = asyncio.create_task(self._listen_notify(client))
         log.info("scheduler_started", node=self.node_id, shards=len(self.coordinator.leases))
         return self
@@ -149,8 +162,40 @@ class Scheduler:
 
     def _make_shard(self, shard_id: int, revision: int) -> ShardActor:
         dispatcher = self.dispatchers[shard_id % len(self.dispatchers)]
-        return ShardActor(shard_id, revision, db=self.db, dispatcher=dispatcher,
+        return ShardActor(shard_id, revision, db=self.db, hand=self._hand, reject=dispatcher,
                           clock=self.clock)
+
+    async def refresh_limits(self) -> int:
+        """Tenants' weights and quotas changed since the last look (all, the first time);
+        a change reaches every fair queue within LIMITS_REFRESH_S."""
+        since = self._limits_seen and self._limits_seen - LIMITS_LOOKBACK
+        changed, self._limits_seen = await tenant_store.limits_since(self.db, since)
+        self.limits.update(changed)
+        return len(changed)
+
+    async def _refresh_limits_quietly(self) -> None:
+        try:
+            await self.refresh_limits()
+        except StorageUnavailable as exc:
+            log.warning("limits_refresh_failed", error=str(exc))
+
+    async def _queue(self, pool: str) -> FairQueue:
+        queue = self._pools.get(pool)
+        if queue is None:
+            default, caps = self._caps
+            queue = FairQueue(pool, hot=self.hot, clock=self.clock,
+                              dispatchers=self.dispatchers, limits=self.limits, lag=self.lag,
+                              order=self._order, cap=caps.get(pool, default))
+            self._pools[pool] = queue
+            await self._core.start(f"pool-{pool}", lambda: queue)
+        return queue
+
+    async def _hand(self, pool: str, ready: Ready) -> None:
+        await (await self._queue(pool)).send(ready)
+
+    async def _released(self, shard_ids: set[int]) -> None:
+        for queue in list(self._pools.values()):
+            await queue.send(Forget(frozenset(shard_ids)))
 
     def shard(self, shard_id: int) -> ShardActor | None:
         return self._shards.actor(f"shard-{shard_id}")
@@ -160,12 +205,7 @@ class Scheduler:
         return set(self.coordinator.leases) if self.coordinator else set()
 
     async def _publish(self, pool: str, publish: Publish) -> None:
-        queue = self._pools.get(pool)
-        if queue is None:
-            queue = PoolQueue(pool, hot=self.hot, clock=self.clock, lag=self.lag)
-            self._pools[pool] = queue
-            await self._core.start(f"pool-{pool}", lambda: queue)
-        await queue.send(publish)
+        await (await self._queue(pool)).send(publish)
 
     async def _cancel_execution(self, pool: str, execution_id: str) -> None:
         try:
@@ -221,7 +261,8 @@ class Scheduler:
         for note in decode_notify(data):
             actor = self.shard(note.shard_id)
             if actor is not None:
-                actor.try_send(NotifyDue(uuid.UUID(note.job_id).int, note.next_run_at_us))
+                actor.try_send(NotifyDue(uuid.UUID(note.job_id).int, note.next_run_at_us,
+                                         note.tenant_id, note.pool))
 
     async def settle_events(self) -> int:
         """Test signal: apply what is on the events streams now; returns how many events.
@@ -237,14 +278,21 @@ class Scheduler:
         await sync(self.events)
         return total
 
-    async def settle(self) -> None:
-        """Test signal: every shard has handled a Tick, and all that followed has flushed."""
+    async def settle(self, rounds: int = 3) -> None:
+        """Test signal: every shard has handled a Tick, and what that made due has gone
+        through the fair queues (a round each, `rounds` times), dispatch and publish."""
         shards = [self.shard(s) for s in sorted(self.shard_ids)]
         for actor in shards:
             if actor is not None:
                 await actor.send(Tick())
-        for actor in [*shards, *self.dispatchers]:
+        for actor in shards:
             if actor is not None:
+                await sync(actor)
+        for _ in range(rounds):
+            for queue in list(self._pools.values()):
+                await queue.send(Tick())  # a round now, whatever its last one found
+                await sync(queue)
+            for actor in self.dispatchers:
                 await sync(actor)
         for queue in list(self._pools.values()):
             await sync(queue)

@@ -2,14 +2,14 @@
 
 Loader: every LOAD_INTERVAL_S, one range scan of the shard's due_index up to
 now + LOOKAHEAD_S (overdue included), deduplicated into the heap.
-Dispatcher: wakes when the heap top falls due (or on a notify), pops every due
-entry and sends them to a dispatch actor, which writes them in a fenced,
-batched transaction.
+Popper: wakes when the heap top falls due (or on a notify), pops every due
+entry and hands them to their pools' fair queues (actors/fairqueue.py), which
+send them on to the dispatch actors when the pool's stream has room.
 
-Heap entries are single ints, `due_us << 128 | job_id.int`, so ordering by
-int is ordering by (due time, job id) and an entry costs one int object
-(about 48 bytes) plus its heap and set slots. Retries carry an execution
-id and attempt; those few live in a side dict.
+Heap entries are single ints, `due_us << 160 | class << 128 | job_id.int`, so
+ordering by int is ordering by due time, and an entry costs one int object
+(about 56 bytes) plus its heap and set slots. The class is the entry's
+(tenant, pool), numbered in a small table of this shard's own.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
-import uuid
-from datetime import UTC, datetime, timedelta
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
 
 from herdwick import logs
 from herdwick.actors.base import Actor, Tick
-from herdwick.actors.messages import Due, NotifyDue, Reject
-from herdwick.clock import Clock
+from herdwick.actors.messages import Handed, NotifyDue, Ready, Reject, item
+from herdwick.clock import Clock, to_us
 from herdwick.errors import row_error
 from herdwick.storage import dispatch as store
 from herdwick.storage.db import Database
@@ -33,54 +33,51 @@ log = logs.get("herdwick.shard")
 
 LOAD_INTERVAL_S = 2.0
 LOOKAHEAD_S = 60.0
-# A load while popped rows still wait for their dispatch transaction re-reads
-# them for nothing (a herd's backlog: a sixth of the scheduler's time). Loads
-# wait for the shard's batches to settle, checking this often, at most MAX_DEFER_S.
+# A load while handed-over work still waits (for room on its stream, or for its
+# dispatch transaction) re-reads it for nothing (a herd's backlog: a sixth of the
+# scheduler's time). Loads wait for the shard's batches to settle, checking this
+# often, at most MAX_DEFER_S.
 DEFER_POLL_S = 0.25
 MAX_DEFER_S = 4.0
-MAX_POP = 5_000  # entries per Due message: bounds one dispatch transaction
+MAX_POP = 5_000  # entries per pass: bounds one hand-over
 RECENT_TTL_S = 3 * LOAD_INTERVAL_S
 _JOB_BITS = 128
+_CLASS_BITS = 32
 _JOB_MASK = (1 << _JOB_BITS) - 1
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_CLASS_MASK = (1 << _CLASS_BITS) - 1
+
+Hand = Callable[[str, Ready], Awaitable[None]]  # (pool, work) to that pool's fair queue
 
 
-def to_us(when: datetime) -> int:
-    delta = when - _EPOCH
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+def entry(due_us: int, job_id_int: int, cls: int = 0) -> int:
+    return (due_us << _CLASS_BITS | cls) << _JOB_BITS | job_id_int
 
 
-def from_us(us: int) -> datetime:
-    return _EPOCH + timedelta(microseconds=us)
-
-
-def entry(due_us: int, job_id_int: int) -> int:
-    return due_us << _JOB_BITS | job_id_int
-
-
-def entry_due_us(item: int) -> int:
-    return item >> _JOB_BITS
+def entry_due_us(value: int) -> int:
+    return value >> (_JOB_BITS + _CLASS_BITS)
 
 
 class ShardActor(Actor):
-    """Owns one shard's heap. Only its run loop touches heap, members, retries, recent."""
+    """Owns one shard's heap. Only its run loop touches heap, members, classes, recent."""
 
-    def __init__(self, shard_id: int, revision: int, *, db: Database, dispatcher: Actor,
-                 clock: Clock) -> None:
+    def __init__(self, shard_id: int, revision: int, *, db: Database, hand: Hand,
+                 reject: Actor, clock: Clock) -> None:
         super().__init__(clock=clock)
         self.name = f"shard-{shard_id}"
         self.shard_id = shard_id
         self.revision = revision
         self._db = db
-        self._dispatcher = dispatcher
+        self._hand = hand
+        self._reject_to = reject  # a dispatch actor: rows it cannot load are recorded there
         self.heap: list[int] = []
         self._members: set[int] = set()  # what is in the heap, for dedup on reload
-        self._retries: dict[int, DueRow] = {}  # heap entry -> its retry row
+        self._classes: list[tuple[str, str]] = []  # class -> (tenant id, pool)
+        self._class_of: dict[tuple[str, str], int] = {}
         self._recent: dict[int, float] = {}  # popped entries -> monotonic pop time
         self._next_load_us = 0
         self._load_due_since_us: int | None = None  # a load is due but deferred since then
-        # Due batches sent and not yet settled; set by the dispatcher, pruned here.
-        self._unsettled: list[Due] = []
+        # Batches handed over whose work the fair queues have not settled yet.
+        self._unsettled: list[Handed] = []
         self.notified = asyncio.Event()  # test signal: a notify was handled
 
     def idle_timeout(self) -> float | None:
@@ -96,9 +93,9 @@ class ShardActor(Actor):
     async def handle(self, msg: object | None) -> None:
         now = self.clock.now()
         match msg:
-            case NotifyDue(job_id_int=job, due_us=due):
-                if due <= to_us(now) + LOOKAHEAD_S * 1e6:
-                    self._push(entry(due, job))
+            case NotifyDue(job_id_int=job, due_us=due, tenant_id=tenant, pool=pool):
+                if tenant and pool and due <= to_us(now) + LOOKAHEAD_S * 1e6:
+                    self._push(entry(due, job, self._class(tenant, pool)))
                 self.notified.set()
             case Tick() | None:
                 pass
@@ -111,13 +108,20 @@ class ShardActor(Actor):
         await self.dispatch_due(now)
 
     def _defer_load(self, now_us: int) -> bool:
-        self._unsettled = [d for d in self._unsettled if not d.settled.is_set()]
+        self._unsettled = [h for h in self._unsettled if h.remaining > 0]
         if not self._unsettled:
             self._load_due_since_us = None
             return False
         if self._load_due_since_us is None:
             self._load_due_since_us = now_us
         return now_us - self._load_due_since_us < MAX_DEFER_S * 1e6
+
+    def _class(self, tenant: str, pool: str) -> int:
+        cls = self._class_of.get((tenant, pool))
+        if cls is None:
+            cls = self._class_of[tenant, pool] = len(self._classes)
+            self._classes.append((tenant, pool))
+        return cls
 
     async def load(self, now: datetime) -> int:
         """One range scan into the heap; returns how many entries it added."""
@@ -129,13 +133,12 @@ class ShardActor(Actor):
             if row.next_run_at.tzinfo is None:  # asyncpg's -infinity: no time to run it at
                 bad.append(row)
                 continue
-            item = entry(to_us(row.next_run_at), row.job_id.int)
-            if item in self._recent:
+            value = entry(to_us(row.next_run_at), row.job_id.int,
+                          self._class(row.tenant_id, row.pool))
+            if value in self._recent:
                 continue
-            if self._push(item):
+            if self._push(value):
                 added += 1
-                if row.execution_id is not None:
-                    self._retries[item] = row
         self._next_load_us = to_us(now) + int(LOAD_INTERVAL_S * 1e6)
         self._load_due_since_us = None
         if bad:
@@ -145,36 +148,40 @@ class ShardActor(Actor):
     async def _reject(self, rows: list[DueRow]) -> None:
         keys = [DueKey(self.shard_id, r.next_run_at, r.job_id) for r in rows]
         error = row_error("UnloadableDueRow", "its due time is not a finite time")
-        await self._dispatcher.send(Reject(self.shard_id, self.revision, keys,
-                                           [error] * len(keys)))
+        await self._reject_to.send(Reject(self.shard_id, self.revision, keys,
+                                          [error] * len(keys)))
 
-    def _push(self, item: int) -> bool:
-        if item in self._members:
+    def _push(self, value: int) -> bool:
+        if value in self._members:
             return False
-        self._members.add(item)
-        heapq.heappush(self.heap, item)
+        self._members.add(value)
+        heapq.heappush(self.heap, value)
         return True
 
-    def pop_due(self, now: datetime, limit: int = MAX_POP) -> list[DueKey]:
+    def pop_due(self, now: datetime, limit: int = MAX_POP) -> dict[str, list[tuple[str, int]]]:
+        """What is due, by pool: (tenant id, fair-queue item), in due order."""
         now_us = to_us(now)
-        keys = []
+        by_pool: dict[str, list[tuple[str, int]]] = {}
+        popped = 0
         stamp = time.monotonic()
-        while self.heap and entry_due_us(self.heap[0]) <= now_us and len(keys) < limit:
-            item = heapq.heappop(self.heap)
-            self._members.discard(item)
-            self._retries.pop(item, None)
-            self._recent[item] = stamp
-            keys.append(DueKey(self.shard_id, from_us(entry_due_us(item)),
-                               uuid.UUID(int=item & _JOB_MASK)))
-        return keys
+        while self.heap and entry_due_us(self.heap[0]) <= now_us and popped < limit:
+            value = heapq.heappop(self.heap)
+            self._members.discard(value)
+            self._recent[value] = stamp
+            tenant, pool = self._classes[value >> _JOB_BITS & _CLASS_MASK]
+            by_pool.setdefault(pool, []).append(
+                (tenant, item(entry_due_us(value), self.shard_id, value & _JOB_MASK)))
+            popped += 1
+        return by_pool
 
     async def dispatch_due(self, now: datetime) -> None:
-        while keys := self.pop_due(now):
-            due = Due(self.shard_id, self.revision, keys)
-            self._unsettled.append(due)
-            await self._dispatcher.send(due)
+        while by_pool := self.pop_due(now):
+            for pool, items in by_pool.items():
+                handed = Handed(len(items))
+                self._unsettled.append(handed)
+                await self._hand(pool, Ready(self.shard_id, self.revision, items, handed))
 
     def _forget_old_recent(self) -> None:
         cutoff = time.monotonic() - RECENT_TTL_S
-        for item in [i for i, t in self._recent.items() if t < cutoff]:
-            del self._recent[item]
+        for value in [v for v, t in self._recent.items() if t < cutoff]:
+            del self._recent[value]

@@ -18,8 +18,7 @@ from herdwick import logs
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor, Tick
 from herdwick.actors.messages import Publish
-from herdwick.actors.shard import to_us
-from herdwick.clock import Clock
+from herdwick.clock import Clock, to_us
 from herdwick.errors import StorageUnavailable, row_error
 from herdwick.storage import sweep as store
 from herdwick.storage.db import Database

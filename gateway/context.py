@@ -5,7 +5,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -13,12 +12,13 @@ from aiohttp import web
 from herdwick.clock import Clock
 from herdwick.config import Settings
 from herdwick.gateway.auth import KeyCache
+from herdwick.gateway.notify import Near
 from herdwick.gateway.submit import Network
 from herdwick.storage.db import Database
 from herdwick.storage.jobs import NewJob
 
 
-async def _nothing(due: list[tuple[int, uuid.UUID, datetime]]) -> None:
+async def _nothing(due: list[Near]) -> None:
     return None
 
 
@@ -36,10 +36,11 @@ class Ctx:
     keys: KeyCache = field(default_factory=KeyCache)
     # Called after a commit that made something due (submit, trigger, replay) with
     # (shard_id, job_id, due time): the near-due notify to the shard owners.
-    notify_due: Callable[[list[tuple[int, uuid.UUID, datetime]]], Awaitable[None]] = _nothing
+    notify_due: Callable[[list[Near]], Awaitable[None]] = _nothing
 
-    async def after_submit(self, jobs: list[NewJob]) -> None:
-        await self.notify_due([(j.shard_id, j.job_id, j.next_run_at) for j in jobs])
+    async def after_submit(self, tenant_id: uuid.UUID, jobs: list[NewJob]) -> None:
+        await self.notify_due([(j.shard_id, j.job_id, j.next_run_at, tenant_id, j.pool)
+                               for j in jobs])
     # Called after a cancel commits: tells the workers holding those executions (LEASE_LOST).
     cancel_running: Callable[[str, list[uuid.UUID]], Awaitable[None]] = _no_workers
 

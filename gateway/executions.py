@@ -9,7 +9,7 @@ from aiohttp import web
 from herdwick.gateway import params
 from herdwick.gateway.auth import tenant_of
 from herdwick.gateway.context import Ctx
-from herdwick.gateway.jobs import job_id_of
+from herdwick.gateway.jobs import job_id_of, pool_of
 from herdwick.gateway.params import json_response, path_uuid
 from herdwick.ids import shard_of
 from herdwick.model import ExecutionPage, Triggered
@@ -51,8 +51,8 @@ async def retry_execution(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
     now = ctx.clock.now()
-    job_id = await store.replay(ctx.db, owner.tenant_id, _execution_id(request), now)
-    await ctx.notify_due([(shard_of(job_id), job_id, now)])
+    job_id, pool = await store.replay(ctx.db, owner.tenant_id, _execution_id(request), now)
+    await ctx.notify_due([(shard_of(job_id), job_id, now, owner.tenant_id, pool)])
     return web.Response(status=202)
 
 
@@ -64,6 +64,8 @@ async def trigger_job(request: web.Request) -> web.Response:
     owner = await tenant_of(request, ctx.db, ctx.keys)
     job = await job_store.get_job(ctx.db, owner.tenant_id, job_id_of(request))
     now = ctx.clock.now()
-    execution_id = await store.trigger(ctx.db, owner.tenant_id, job.job_id, job.state, now)
-    await ctx.notify_due([(shard_of(job.job_id), job.job_id, now)])
+    execution_id, due = await store.trigger(ctx.db, owner.tenant_id, job.job_id, job.state,
+                                            now)
+    await ctx.notify_due([(shard_of(job.job_id), job.job_id, due, owner.tenant_id,
+                           pool_of(job))])
     return json_response(202, Triggered(execution_id=execution_id))

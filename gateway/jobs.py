@@ -130,7 +130,7 @@ async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: 
             herd_limit=HERD_WARN_JOBS)
         if outcome.inserted:
             response = warned if outcome.same_second + in_request >= HERD_WARN_JOBS else plain
-            await ctx.after_submit(jobs)
+            await ctx.after_submit(owner.tenant_id, jobs)
             return json_response(201, response)
         record = await store.get_idempotency(ctx.db, owner.tenant_id, key)
         if record is None:
@@ -219,7 +219,8 @@ async def _transition(request: web.Request, decide) -> Job:
     if done.canceled:
         await ctx.cancel_running(pool_of(done.job), done.canceled)
     if done.due:
-        await ctx.notify_due(done.due)
+        await ctx.notify_due([(shard, job_id, when, owner.tenant_id, pool_of(done.job))
+                              for shard, job_id, when in done.due])
     return done.job
 
 

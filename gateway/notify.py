@@ -25,6 +25,8 @@ log = logs.get("herdwick.gateway")
 # load waits for the one after it.
 NEAR_DUE = timedelta(seconds=5)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# What became due: (shard id, job id, due time, tenant id, pool).
+Near = tuple[int, uuid.UUID, datetime, uuid.UUID, str]
 
 
 def _us(when: datetime) -> int:
@@ -33,11 +35,12 @@ def _us(when: datetime) -> int:
 
 
 def notifier(hot: HotTier, clock: Clock):
-    """`notify(due)` for (shard_id, job_id, due time) triples; only the near-due are sent."""
-    async def notify(due: list[tuple[int, uuid.UUID, datetime]]) -> None:
+    """`notify(due)` for (shard_id, job_id, due time, tenant_id, pool); only the near-due
+    are sent."""
+    async def notify(due: list[Near]) -> None:
         horizon = clock.now() + NEAR_DUE
-        near = [NotifyMessage(shard, str(job_id), _us(when))
-                for shard, job_id, when in due if when <= horizon]
+        near = [NotifyMessage(shard, str(job_id), _us(when), str(tenant), pool)
+                for shard, job_id, when, tenant, pool in due if when <= horizon]
         try:
             await hot.notify(near)
         except (RedisError, OSError) as exc:

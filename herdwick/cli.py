@@ -30,6 +30,10 @@ _SETTING_HELP = {
     "http_allow": "comma-separated CIDRs an http target may resolve to besides public ones",
     "api_host": "address the gateway binds (default 127.0.0.1)",
     "api_port": "port the gateway binds (default 8080)",
+    "dispatch_order": "fair (weighted fair queuing across tenants, the default) or fifo "
+                      "(by due time alone, for comparison)",
+    "ready_max": "most undelivered entries a pool's ready stream holds: auto (from the "
+                 "workers' lease rate), a number, or pool=number pairs, comma-separated",
 }
 # The settings each command reads; a command shows only these flags.
 _SERVICE = ("database_url", "redis_url", "key_prefix")
@@ -37,7 +41,7 @@ _USES = {
     "dev": tuple(ENV),
     "migrate": ("database_url",),
     "api": (*_SERVICE, "admin_token", "http_allow", "api_host", "api_port"),
-    "scheduler": _SERVICE,
+    "scheduler": (*_SERVICE, "dispatch_order", "ready_max"),
     "http-worker": ("redis_url", "key_prefix", "http_allow"),
     "tenant create": ("database_url",),
     "worker": ("redis_url", "key_prefix"),

@@ -5,6 +5,18 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def to_us(when: datetime) -> int:
+    """Microseconds since the Unix epoch, exactly (no float on the way)."""
+    delta = when - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def from_us(us: int) -> datetime:
+    return _EPOCH + timedelta(microseconds=us)
+
 
 class Clock(Protocol):
     def now(self) -> datetime:

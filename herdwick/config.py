@@ -14,6 +14,11 @@ from msgspec import Meta
 DEFAULT_KEY_PREFIX = "hw"
 DEFAULT_API_HOST = "127.0.0.1"
 DEFAULT_API_PORT = 8080
+DISPATCH_ORDERS = ("fair", "fifo")
+DEFAULT_DISPATCH_ORDER = "fair"
+DEFAULT_READY_MAX = "auto"
+MIN_READY_MAX = 1
+MAX_READY_MAX = 100_000_000
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 Port = Annotated[int, Meta(ge=0, le=65535)]
@@ -33,8 +38,14 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     http_allow: tuple[str, ...] = ()
     api_host: str = DEFAULT_API_HOST
     api_port: Port = DEFAULT_API_PORT
+    dispatch_order: str = DEFAULT_DISPATCH_ORDER
+    ready_max: str = DEFAULT_READY_MAX
 
     def __post_init__(self) -> None:
+        if self.dispatch_order not in DISPATCH_ORDERS:
+            raise ConfigError(f"HERDWICK_DISPATCH_ORDER must be one of "
+                              f"{', '.join(DISPATCH_ORDERS)}, not {self.dispatch_order!r}")
+        self.ready_caps  # noqa: B018 - validates HERDWICK_READY_MAX
         if not _KEY_PREFIX.match(self.key_prefix):
             raise ConfigError(
                 "HERDWICK_KEY_PREFIX must be 1-64 characters of letters, digits and _ . : - "
@@ -58,6 +69,27 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError("HERDWICK_REDIS_URL is not set (a Redis URL)")
 
     @property
+    def ready_caps(self) -> tuple[int, dict[str, int]]:
+        """(every pool's bound, per-pool bounds) of HERDWICK_READY_MAX; 0 is the default bound,
+        from the workers' lease rate."""
+        default, pools = 0, {}
+        for part in (p.strip() for p in self.ready_max.split(",") if p.strip()):
+            pool, _, value = part.rpartition("=")
+            try:
+                cap = 0 if value == "auto" else int(value)
+            except ValueError:
+                cap = -1
+            if cap < 0 or (cap and not MIN_READY_MAX <= cap <= MAX_READY_MAX):
+                raise ConfigError(
+                    f"HERDWICK_READY_MAX: {part!r}: a bound is auto or {MIN_READY_MAX}.."
+                    f"{MAX_READY_MAX}, for every pool or as pool=bound")
+            if pool:
+                pools[pool] = cap
+            else:
+                default = cap
+        return default, pools
+
+    @property
     def http_allow_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
         return tuple(ipaddress.ip_network(c, strict=False) for c in self.http_allow)
 
@@ -71,6 +103,8 @@ ENV = {
     "http_allow": "HERDWICK_HTTP_ALLOW",
     "api_host": "HERDWICK_API_HOST",
     "api_port": "HERDWICK_API_PORT",
+    "dispatch_order": "HERDWICK_DISPATCH_ORDER",
+    "ready_max": "HERDWICK_READY_MAX",
 }
 
 

@@ -21,6 +21,8 @@ class DueRow(msgspec.Struct, frozen=True):
     execution_id: uuid.UUID | None = None
     scheduled_for: datetime | None = None
     attempt: int | None = None
+    tenant_id: str = ""  # UUID text: what the fair queue keys tenants by
+    pool: str = ""
 
 
 class Claimed(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,7 +116,7 @@ async def load_due(db: Database, shard_id: int, horizon: datetime,
     async with db.connection() as conn:
         rows = await conn.fetch(q("load_due"), shard_id, horizon, limit)
     return [DueRow(r["next_run_at"], r["job_id"], r["execution_id"], r["scheduled_for"],
-                   r["attempt"]) for r in rows]
+                   r["attempt"], str(r["tenant_id"]), r["pool"]) for r in rows]
 
 
 def _claimed(row) -> Claimed:

@@ -106,8 +106,9 @@ async def _queue_due(conn, job_id: uuid.UUID, execution_id: uuid.UUID, scheduled
 
 
 async def replay(db: Database, tenant_id: uuid.UUID, execution_id: uuid.UUID,
-                 now: datetime) -> uuid.UUID:
-    """A dead execution runs again as the same execution, with the next attempt; its job id."""
+                 now: datetime) -> tuple[uuid.UUID, str]:
+    """A dead execution runs again as the same execution, with the next attempt; its job id
+    and pool."""
     async with db.transaction() as conn:
         row = await conn.fetchrow(q("lock_execution"), execution_id, tenant_id)
         if row is None:
@@ -119,12 +120,13 @@ async def replay(db: Database, tenant_id: uuid.UUID, execution_id: uuid.UUID,
         await conn.execute(q("requeue_execution"), execution_id, row["scheduled_for"])
         await _queue_due(conn, row["job_id"], execution_id, row["scheduled_for"],
                          row["attempt"] + 1, now)
-    return row["job_id"]
+    return row["job_id"], row["pool"]
 
 
 async def trigger(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, job_state: str,
-                  now: datetime) -> uuid.UUID:
-    """Run once now, outside the schedule: an execution that the due index queues at once.
+                  now: datetime) -> tuple[uuid.UUID, datetime]:
+    """Run once now, outside the schedule: an execution that the due index queues at once;
+    its id, and its due time.
 
     A paused job may be triggered too (as a suspended Kubernetes CronJob or a
     paused Temporal schedule can): its first attempt runs now and the job stays
@@ -145,5 +147,6 @@ async def trigger(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, job_sta
             at += timedelta(microseconds=1)
         else:
             raise Conflict("this job has been triggered too often at this instant; retry")
-        await _queue_due(conn, job_id, execution_id, at, 1, now)
-    return execution_id
+        # Due at its own instant too: the due index's key holds one row a job an instant.
+        await _queue_due(conn, job_id, execution_id, at, 1, at)
+    return execution_id, at

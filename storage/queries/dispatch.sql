@@ -1,10 +1,12 @@
 -- name: load_due
 -- One contiguous range scan of a shard's due rows up to the horizon (overdue
--- included), keys only: the heap holds keys, the dispatch fetches the rest.
-SELECT next_run_at, job_id, execution_id, scheduled_for, attempt
-FROM due_index
-WHERE shard_id = $1 AND due_minute <= $2
-ORDER BY due_minute, next_run_at, job_id
+-- included): the keys, and the tenant and pool the fair queue orders them by
+-- (the dispatch fetches the rest).
+SELECT d.next_run_at, d.job_id, d.execution_id, d.scheduled_for, d.attempt,
+       j.tenant_id, j.pool
+FROM due_index d JOIN jobs j ON j.job_id = d.job_id
+WHERE d.shard_id = $1 AND d.due_minute <= $2
+ORDER BY d.due_minute, d.next_run_at, d.job_id
 LIMIT $3;
 
 -- name: claim_due

@@ -28,7 +28,8 @@ ORDER BY execution_id DESC
 LIMIT $3;
 
 -- name: lock_execution
-SELECT e.execution_id, e.job_id, e.scheduled_for, e.attempt, e.state, j.state AS job_state
+SELECT e.execution_id, e.job_id, e.scheduled_for, e.attempt, e.state, j.state AS job_state,
+       j.pool
 FROM executions e JOIN jobs j USING (job_id)
 WHERE e.execution_id = $1 AND e.tenant_id = $2
 FOR UPDATE OF e;

@@ -118,6 +118,8 @@ def _run_at_within_bounds(now: datetime):
 
 def _schedules(body: object) -> list[dict]:
     jobs = body.get("jobs", [body]) if isinstance(body, dict) else []
+    if not isinstance(jobs, list):  # an invalid batch, as generated: nothing to redraw
+        return []
     return [job["schedule"] for job in jobs
             if isinstance(job, dict) and isinstance(job.get("schedule"), dict)]
 

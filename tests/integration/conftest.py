@@ -64,11 +64,11 @@ async def api(db_url, services, key_prefix, clock) -> AsyncIterator[Api]:
 async def schedulers(db, redis_client, key_prefix, clock) -> AsyncIterator[list]:
     """A factory of scheduler nodes sharing the test's database, Redis prefix and clock."""
     started: list[Scheduler] = []
-    settings = Settings(key_prefix=key_prefix)
 
-    async def start(node_id: str | None = None) -> Scheduler:
-        node = Scheduler(settings, clock=clock, db=db, redis=redis_client,
-                         node_id=node_id or f"node-{len(started)}", tick=False)
+    async def start(node_id: str | None = None, **settings) -> Scheduler:
+        node = Scheduler(Settings(key_prefix=key_prefix, **settings), clock=clock, db=db,
+                         redis=redis_client, node_id=node_id or f"node-{len(started)}",
+                         tick=False)
         started.append(node)
         return await node.start()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -205,48 +206,48 @@ async def test_maintenance_creates_partitions_ahead_and_drops_expired_keys(
         assert await conn.fetchval("SELECT count(*) FROM idempotency_keys") == 0
 
 
-class _HeldDispatcher:
-    """Takes Due batches and keeps them unsettled, like a dispatcher with a backlog."""
+class _HeldQueues:
+    """Takes what a shard hands over and keeps it unsettled, like fair queues with a backlog."""
 
     def __init__(self) -> None:
-        self.dues: list = []
+        self.readies: list = []
 
-    async def send(self, due) -> None:
-        self.dues.append(due)
+    async def hand(self, pool: str, ready) -> None:
+        self.readies.append(ready)
 
 
-async def test_a_shard_defers_its_loads_while_its_batches_wait_for_dispatch(clock, db) -> None:
+async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
+        api, clock, db) -> None:
     from herdwick.actors.base import Tick
     from herdwick.actors.shard import DEFER_POLL_S, LOAD_INTERVAL_S, MAX_DEFER_S, ShardActor
 
     async def due_row(seconds: float) -> None:
-        when = clock.now() + timedelta(seconds=seconds)
-        async with db.connection() as conn:
-            await conn.execute(
-                "INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id) "
-                "VALUES (7, date_trunc('minute', $1::timestamptz), $1, gen_random_uuid())", when)
+        job = await submit(api, schedule={"delaySeconds": seconds})  # from the test's clock
+        async with db.connection() as conn:  # into shard 7, where the actor under test is
+            await conn.execute("UPDATE due_index SET shard_id = 7 WHERE job_id = $1",
+                               uuid.UUID(job["jobId"]))
 
-    dispatcher = _HeldDispatcher()
-    shard = ShardActor(7, 1, db=db, dispatcher=dispatcher, clock=clock)
+    queues = _HeldQueues()
+    shard = ShardActor(7, 1, db=db, hand=queues.hand, reject=None, clock=clock)
     await due_row(1)
     await shard.load(clock.now())
     clock.advance(1)
     await shard.handle(Tick())
-    [held] = dispatcher.dues
-    assert len(shard.heap) == 0
+    [held] = queues.readies
+    assert held.handed.remaining == 1 and len(shard.heap) == 0
 
-    await due_row(60)  # lands while the batch waits: the next load is deferred
+    await due_row(60)  # lands while the work waits: the next load is deferred
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 0
-    held.settled.set()  # the batch committed: the shard loads at its next poll
+    held.handed.remaining = 0  # dispatched: the shard loads at its next poll
     clock.advance(DEFER_POLL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 1
 
     clock.advance(60)
-    await shard.handle(Tick())  # pops that row; this batch never settles
-    assert len(dispatcher.dues) == 2 and len(shard.heap) == 0
+    await shard.handle(Tick())  # pops that row; this work never settles
+    assert len(queues.readies) == 2 and len(shard.heap) == 0
     await due_row(60)
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())

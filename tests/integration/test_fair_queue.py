@@ -1,0 +1,178 @@
+"""Tenant isolation through the real scheduler tier: bounded streams, shares, quotas.
+
+Workers are played by `drain`, which reads and leases what a pool's stream
+delivers (the leases are what make room on the stream, as real workers' do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import pytest
+
+from herdwick.storage import keys
+from herdwick.storage.protocol import Protocol
+from tests.integration.conftest import make_job
+from tests.integration.stack import advance
+
+POOL = "emails"
+
+
+async def submit_many(api, count: int, *, key: str | None = None, pool: str = POOL,
+                      delay_s: float = 1) -> list[str]:
+    jobs = [make_job(name=f"j{i}", target={"type": "queue", "ref": pool},
+                     schedule={"delaySeconds": delay_s}) for i in range(count)]
+    ids = []
+    for start in range(0, count, 1000):
+        resp = await api.client.post("/v1/jobs:batch", json={"jobs": jobs[start:start + 1000]},
+                                     headers=api.auth(key))
+        assert resp.status == 201, await resp.text()
+        ids += [item["jobId"] for item in (await resp.json())["items"]]
+    return ids
+
+
+async def tenant(api, name: str, **limits) -> str:
+    return (await api.create_tenant(name, **limits))["apiKey"]
+
+
+async def undelivered(redis_client, key_prefix, pool: str = POOL) -> int:
+    groups = await redis_client.xinfo_groups(keys.ready_stream(key_prefix, pool))
+    [group] = [g for g in groups if g["name"] == keys.WORKERS_GROUP.encode()]
+    return group["lag"]
+
+
+async def drain(redis_client, key_prefix, count: int, pool: str = POOL) -> list[dict]:
+    """Read up to `count` entries as a worker does and lease them; their fields."""
+    stream = keys.ready_stream(key_prefix, pool)
+    reply = await redis_client.xreadgroup(keys.WORKERS_GROUP, "drainer", {stream: ">"},
+                                          count=count)
+    entries = [(mid, {k.decode(): v.decode() for k, v in fields.items()})
+               for _, batch in reply or [] for mid, fields in batch]
+    if entries:
+        protocol = Protocol(redis_client, key_prefix)
+        leased = await protocol.lease_many(pool, "drainer", 30, [
+            (f["execution_id"], int(f["attempt"])) for _, f in entries])
+        assert all(until is not None for until in leased)
+        await redis_client.xack(stream, keys.WORKERS_GROUP, *[mid for mid, _ in entries])
+    return [f for _, f in entries]
+
+
+async def counts(db) -> tuple[int, int]:
+    async with db.connection() as conn:
+        executions = await conn.fetchval("SELECT count(*) FROM executions")
+        due = await conn.fetchval("SELECT count(*) FROM due_index")
+    return executions, due
+
+
+async def test_a_bounded_stream_stays_at_its_bound_while_postgres_holds_the_rest(
+        api, schedulers, redis_client, key_prefix, clock, db) -> None:
+    await submit_many(api, 200)
+    node = await schedulers(ready_max="50")
+    await advance(clock, 1, node)
+    await node.settle()
+    assert await undelivered(redis_client, key_prefix) == 50
+    assert await counts(db) == (50, 150)  # the rest wait as due rows, durable
+
+    seen: list[str] = []
+    while len(seen) < 200:
+        got = await drain(redis_client, key_prefix, 30)
+        seen += [f["execution_id"] for f in got]
+        await node.settle()
+        assert await undelivered(redis_client, key_prefix) <= 50
+    assert len(set(seen)) == 200  # each once
+    assert await counts(db) == (200, 0)
+
+
+async def test_a_pool_without_workers_backs_up_only_itself(
+        api, schedulers, redis_client, key_prefix, clock, db) -> None:
+    await submit_many(api, 100, pool="nobody-reads")
+    await submit_many(api, 30, pool=POOL)
+    node = await schedulers(ready_max="20")
+    await advance(clock, 1, node)
+    await node.settle()
+    got = []
+    for _ in range(3):
+        got += await drain(redis_client, key_prefix, 100)
+        await node.settle()
+    assert len(got) == 30  # every job of the pool with a worker went out
+    assert await undelivered(redis_client, key_prefix, "nobody-reads") == 20
+
+
+async def _shares(api, schedulers, redis_client, key_prefix, clock, nodes: int) -> dict:
+    weights = {"one": 1, "two": 2, "four": 4}
+    owner = {}
+    for name, weight in weights.items():
+        key = await tenant(api, name, weight=weight)
+        ids = await submit_many(api, 1500, key=key)
+        owner.update(dict.fromkeys(ids, name))
+    started = [await schedulers(node_id=f"node-{i}", ready_max="70") for i in range(nodes)]
+    await advance(clock, 1, *started)
+    taken: collections.Counter = collections.Counter()
+    turn = 0
+    while sum(taken.values()) < 1500:  # under contention: all three still have work
+        turn += 1  # the nodes take turns at the stream's room, as their timers would
+        for node in started[turn % nodes:] + started[:turn % nodes]:
+            await node.settle(rounds=1)
+        for fields in await drain(redis_client, key_prefix, 35):
+            taken[owner[fields["job_id"]]] += 1
+    return {name: taken[name] / sum(taken.values()) for name in weights}
+
+
+async def test_weights_1_2_4_get_1_2_4_of_a_pool_s_dispatch(
+        api, schedulers, redis_client, key_prefix, clock) -> None:
+    got = await _shares(api, schedulers, redis_client, key_prefix, clock, nodes=1)
+    assert got == pytest.approx({"one": 1 / 7, "two": 2 / 7, "four": 4 / 7}, rel=0.1)
+
+
+async def test_two_schedulers_together_keep_the_shares(
+        api, schedulers, redis_client, key_prefix, clock) -> None:
+    got = await _shares(api, schedulers, redis_client, key_prefix, clock, nodes=2)
+    assert got == pytest.approx({"one": 1 / 7, "two": 2 / 7, "four": 4 / 7}, rel=0.1)
+
+
+async def test_a_tenant_s_new_weight_reaches_the_scheduler(api, schedulers, db) -> None:
+    made = await api.create_tenant("grows", weight=1)
+    node = await schedulers()
+    assert node.limits[made["tenantId"]].weight == 1
+    from tests.integration.gateway_client import ADMIN_TOKEN
+
+    resp = await api.client.patch(f"/v1/tenants/{made['tenantId']}",
+                                  json={"weight": 5, "dispatchRate": 10, "burst": 3},
+                                  headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert resp.status == 200, await resp.text()
+    assert await node.refresh_limits() >= 1
+    limits = node.limits[made["tenantId"]]
+    assert (limits.weight, limits.rate, limits.burst) == (5, 10, 3)
+
+
+@pytest.mark.slow
+async def test_two_schedulers_share_one_tenant_s_rate_quota(
+        api, schedulers, redis_client, key_prefix, clock, db) -> None:
+    """The quota's clock is the Redis server's: this one measures real time, a few seconds."""
+    key = await tenant(api, "limited", dispatchRate=50, burst=10)
+    await submit_many(api, 1000, key=key)
+    nodes = [await schedulers(node_id=f"node-{i}") for i in range(2)]
+    await advance(clock, 1, *nodes)
+    began = time.monotonic()
+    published = 0
+    while (elapsed := time.monotonic() - began) < 3.0:
+        for node in nodes:
+            await node.settle(rounds=1)
+        published += len(await drain(redis_client, key_prefix, 1000))
+        await asyncio.sleep(0.05)  # real time must pass for tokens to refill
+    allowed = 10 + 50 * elapsed  # the burst, then the rate
+    assert published == pytest.approx(allowed, rel=0.1)
+    executions, due = await counts(db)
+    on_stream = await undelivered(redis_client, key_prefix)
+    assert executions == published + on_stream and due == 1000 - executions  # durable
+
+
+async def test_over_its_active_job_limit_a_tenant_gets_429(api) -> None:
+    key = await tenant(api, "small", maxActiveJobs=2)
+    for _ in range(2):
+        assert (await api.submit(make_job(), key=key)).status == 201
+    over = await api.submit(make_job(), key=key)
+    assert over.status == 429
+    assert int(over.headers["Retry-After"]) > 0
