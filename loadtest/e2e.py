@@ -397,7 +397,8 @@ async def _measure(args, plan, db, dsn, client, prefix, pool, deadline, progress
     tenants = await create_tenants(db, plan.tenants)
     factory = JobFactory([pool])
     parked = await _insert_herd(db, plan, factory, tenants, progress)
-    async with scheduler_processes(plan.schedulers, dsn, args.redis_url, prefix) as procs, \
+    async with scheduler_processes(plan.schedulers, dsn, args.redis_url, prefix,
+                                   ready_max="auto") as procs, \
             worker_processes(args.workers, args.redis_url, prefix, pool,
                              args.concurrency) as workers:
         await leases_settled(db, procs, deadline)

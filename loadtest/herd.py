@@ -311,7 +311,8 @@ def heap_memory(count: int = HEAP_ENTRIES) -> HeapMemory:
     `_push` is private, but it is exactly what a load runs per row, so the
     figure follows shard.py when its representation changes.
     """
-    actor = ShardActor(0, 1, db=None, dispatcher=None, clock=SystemClock())  # type: ignore[arg-type]
+    actor = ShardActor(0, 1, db=None, hand=None, reject=None,  # type: ignore[arg-type]
+                       clock=SystemClock())
     now = datetime.now(UTC)
     due_us = to_us(now)
     job_ints = [uuid7(now).int for _ in range(count)]
@@ -320,7 +321,7 @@ def heap_memory(count: int = HEAP_ENTRIES) -> HeapMemory:
     try:
         before = tracemalloc.get_traced_memory()[0]
         for i, job in enumerate(job_ints):
-            actor._push(entry(due_us + i, job))
+            actor._push(entry(due_us + i, job, i % 64))  # as many classes as tenant x pool
         traced = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
@@ -520,10 +521,13 @@ class SchedulerProcess(Child):
 
 
 @contextlib.asynccontextmanager
-async def scheduler_processes(count: int, dsn: str, redis_url: str,
-                              prefix: str) -> AsyncIterator[list[SchedulerProcess]]:
+async def scheduler_processes(count: int, dsn: str, redis_url: str, prefix: str,
+                              ready_max: str = "100000000",
+                              ) -> AsyncIterator[list[SchedulerProcess]]:
+    # The herd's consumers only read the streams, they lease nothing: by default unbounded
+    # streams, so what is measured is the scheduler tier's dispatch (e2e leases: "auto").
     env = {**os.environ, "HERDWICK_DATABASE_URL": dsn, "HERDWICK_REDIS_URL": redis_url,
-           "HERDWICK_KEY_PREFIX": prefix}
+           "HERDWICK_KEY_PREFIX": prefix, "HERDWICK_READY_MAX": ready_max}
     procs: list[SchedulerProcess] = []
     try:
         for _ in range(count):
