@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from herdwick import logs
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor, Tick
+from herdwick.actors.executions import GROUP as EVENTS_GROUP
 from herdwick.actors.messages import Publish
 from herdwick.clock import Clock, to_us
 from herdwick.errors import StorageUnavailable, row_error
@@ -29,6 +30,9 @@ log = logs.get("herdwick.sweeper")
 INTERVAL_S = 10.0
 GRACE_S = 30.0  # a fresh execution may be between commit and publish this long
 SWEEP_BATCH = 5_000
+# Redis keeps a finished execution's hot state 60 s (lua/herdwick.lua TERMINAL_TTL_MS):
+# rows are judged only when their pool's events are applied up to well inside that.
+EVENTS_SETTLED_S = 30.0
 
 
 class Sweeper(Actor):
@@ -74,6 +78,8 @@ class Sweeper(Actor):
             # the event actor and the reaper would never look at it again.
             for pool in sorted({r.pool for r in rows}):
                 await self._hot.ensure_group(pool)
+        if not everything:
+            rows = await self._settled_pools_only(rows)
         hot = await self._hot.hot_attempts([(r.pool, str(r.execution_id)) for r in rows])
         missing = [r for r, attempt in zip(rows, hot, strict=True)
                    if attempt is None or attempt < r.attempt]
@@ -94,6 +100,23 @@ class Sweeper(Actor):
         self.republished += count
         return count
 
+
+    async def _settled_pools_only(self, rows: list[store.Unfinished]) -> list[store.Unfinished]:
+        """The rows of pools whose events are applied up to EVENTS_SETTLED_S ago.
+
+        A finished execution's hot state lives a minute (lua: TERMINAL_TTL_MS); if
+        its `completed` event still waits, Postgres has it running, Redis has
+        nothing, and it would look lost. While a pool's event backlog is older than
+        that, its rows wait for the next pass.
+        """
+        kept = []
+        for pool in sorted({r.pool for r in rows}):
+            behind_ms = await self._hot.events_behind_ms(pool, EVENTS_GROUP)
+            if behind_ms > EVENTS_SETTLED_S * 1000:
+                log.warning("sweep_deferred", pool=pool, events_behind_s=behind_ms / 1000)
+                continue
+            kept += [r for r in rows if r.pool == pool]
+        return kept
 
     async def _drop_unpublishable(self, rows: list[store.Unfinished],
                                   now: datetime) -> list[store.Unfinished]:

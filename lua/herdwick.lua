@@ -45,11 +45,16 @@ the attempt started.)
   canceled   nothing more (worker_id is the holder's, '' if none)
 ]]
 
-local LIBRARY_VERSION = '9'
+local LIBRARY_VERSION = '10'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
--- done, dead and canceled hashes linger this long so a late duplicate call
--- still meets its execution (and gets LEASE_LOST), then they go.
-local TERMINAL_TTL_MS = 3600 * 1000
+-- A done, dead or canceled hash keeps only its attempt and state, for this long:
+-- a late republish of that attempt (a scheduler retrying a publish whose reply it
+-- lost) must not revive it, and the sweeper (which waits until the events of this
+-- long ago are applied) must not take it for lost. Then it goes, so what Redis holds
+-- grows with the work in flight and the last minute's, not with all of it.
+local TERMINAL_TTL_MS = 60 * 1000
+local SPENT_FIELDS = {'lease_owner', 'lease_until', 'job_id', 'tenant_id', 'scheduled_for',
+                      'timeout_seconds', 'max_attempts', 'backoff_ms', 'leased_at', 'retry_at'}
 local RETRY_CAP_MS = 3600 * 1000
 local EXPIRED_ERROR = '{"type":"LeaseExpired","message":"lease expired"}'
 local PUBLISH_FIELDS = 10
@@ -174,6 +179,13 @@ local function fmt(n)
   return string.format('%d', n)
 end
 
+-- An attempt reached a final state: the hash shrinks to attempt and state, and expires.
+local function finish(hot, state)
+  redis.call('HSET', hot, 'state', state)
+  redis.call('HDEL', hot, unpack(SPENT_FIELDS))
+  redis.call('PEXPIRE', hot, TERMINAL_TTL_MS)
+end
+
 -- The execution's hot state as a table (absent fields false), or nil if unknown.
 local function load_hot(hot)
   local values = redis.call('HMGET', hot, unpack(HOT_FIELDS))
@@ -255,8 +267,7 @@ local function settle_failure(base, kind, execution_id, h, worker_id, error_json
   local extra = {'error', error_json, 'retryable', retryable and '1' or '0'}
   local reply
   if not retryable or attempt >= max_attempts then
-    redis.call('HSET', hot, 'state', 'dead')
-    redis.call('PEXPIRE', hot, TERMINAL_TTL_MS)
+    finish(hot, 'dead')
     extra[#extra + 1], extra[#extra + 2] = 'outcome', 'dead'
     reply = DEAD
   else
@@ -398,8 +409,8 @@ end
 hw_complete  KEYS[1] = P:{pool}
              ARGV = execution_id, attempt, worker_id, result_json (JSON text)
 Finishes the attempt: state done, lease dropped, `completed` XADDed with the
-result as given. The hash stays for TERMINAL_TTL_MS (1 h) so a duplicate
-complete meets it, then expires.
+result as given. The hash keeps attempt and state for TERMINAL_TTL_MS (60 s),
+then expires; a duplicate complete gets LEASE_LOST either way.
 Reply: OK | LEASE_LOST (status; same checks as hw_heartbeat).
 ]]
 -- One completion (hw_complete, hw_complete_batch): OK or LEASE_LOST.
@@ -409,8 +420,7 @@ local function complete_one(base, execution_id, attempt, worker_id, result_json,
   if not holds(h, attempt, worker_id, now) then
     return LEASE_LOST
   end
-  redis.call('HSET', hot, 'state', 'done')
-  redis.call('PEXPIRE', hot, TERMINAL_TTL_MS)
+  finish(hot, 'done')
   redis.call('ZREM', base .. ':leases', execution_id)
   emit(base, 'completed', execution_id, h, worker_id, now, {'result', result_json}, events)
   return OK
@@ -531,8 +541,7 @@ local function hw_cancel(keys, args)
     return OK
   end
   local now = now_ms()
-  redis.call('HSET', hot, 'state', 'canceled')
-  redis.call('PEXPIRE', hot, TERMINAL_TTL_MS)
+  finish(hot, 'canceled')
   redis.call('ZREM', base .. ':leases', execution_id)
 
   if h.state ~= 'retry_wait' then

@@ -86,6 +86,10 @@ def decode_notify(data: bytes) -> list[NotifyMessage]:
     return _notify_decoder.decode(data)
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class HotTier:
     """A Redis client and key prefix, with herdwick's calls on them."""
 
@@ -177,6 +181,33 @@ class HotTier:
             await pipe.execute()
         except RedisError as exc:
             raise StorageUnavailable(f"redis: hw_put failed: {exc}") from exc
+
+    async def events_behind_ms(self, pool: str, group: str) -> int:
+        """How old the pool's oldest event not yet applied by `group` is (Redis server
+        ms); 0 when every event is applied."""
+        stream = keys.events_stream(self.prefix, pool)
+        try:
+            (seconds, micros), groups = await self.client.time(), await self.client.xinfo_groups(
+                stream)
+            mine = [g for g in groups if _text(g["name"]) == group]
+            if not mine:
+                return 0
+            oldest = None
+            if int(mine[0]["pending"]):
+                summary = await self.client.xpending(stream, group)
+                oldest = summary["min"]
+            if oldest is None and mine[0].get("lag"):
+                after = await self.client.xrange(stream, "(" + _text(mine[0]["last-delivered-id"]),
+                                                 "+", count=1)
+                oldest = after[0][0] if after else None
+        except ResponseError:
+            return 0  # no stream or group yet: nothing to apply
+        except RedisError as exc:
+            raise StorageUnavailable(f"redis: {exc}") from exc
+        if oldest is None:
+            return 0
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        return max(0, now_ms - int(_text(oldest).partition("-")[0]))
 
     async def pools(self) -> list[str]:
         """Every pool that has had work published, on any node."""

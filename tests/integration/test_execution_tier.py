@@ -260,6 +260,32 @@ async def test_the_sweeper_republishes_what_a_crash_left_unpublished(
     assert (again["execution_id"], again["attempt"]) == (lost["execution_id"], "2")
 
 
+async def test_the_sweeper_waits_while_its_pool_s_events_are_behind(
+        api, schedulers, protocol, redis_client, key_prefix, clock) -> None:
+    """A finished execution's hot state lives a minute: while its `completed` event may
+    still wait, an execution Postgres has as running is not taken for lost."""
+    from herdwick.actors.executions import GROUP
+
+    await submit(api, schedule={"delaySeconds": 1})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    await node._core.stop("execution-events")  # the event actor is behind: nothing applies
+    await protocol.lease(POOL, "w", 30, eid, 1)
+    await protocol.complete(POOL, eid, 1, "w", "{}")
+    # Its events as if read 90 s late: the stream holds one unapplied entry that old.
+    events = keys.events_stream(key_prefix, POOL)
+    (now_s, _) = await redis_client.time()
+    await redis_client.delete(events)
+    await redis_client.xadd(events, {"e": "{}"}, id=f"{(now_s - 90) * 1000}-0")
+    await protocol.ensure_events_group(POOL, GROUP)
+    await redis_client.delete(keys.hot_state(key_prefix, POOL, eid))  # expired meanwhile
+    clock.advance(31)
+    assert await node.sweeper.run_once() == 0  # events 90 s behind: it cannot tell
+    await redis_client.delete(events)  # applied (and trimmed) at last
+    assert await node.sweeper.run_once() == 1
+
+
 async def test_redis_losing_everything_is_swept_at_once(api, schedulers, protocol, redis_client,
                                                         key_prefix, clock, db) -> None:
     jobs = [await submit(api, name=f"j{i}", schedule={"delaySeconds": 1}) for i in range(5)]
