@@ -44,6 +44,7 @@ _USES = {
     "scheduler": (*_SERVICE, "dispatch_order", "ready_max"),
     "http-worker": ("redis_url", "key_prefix", "http_allow"),
     "tenant create": ("database_url",),
+    "tenant update": ("database_url",),
     "worker": ("redis_url", "key_prefix"),
 }
 
@@ -104,8 +105,22 @@ def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
                         help="its share of each pool's dispatch under contention; default 1")
     create.add_argument("--rate", type=float, default=None, metavar="PER_S",
                         help="most dispatches a second; default unlimited")
+    create.add_argument("--burst", type=float, default=None, metavar="TOKENS",
+                        help="dispatches the rate quota lets through at once; default one "
+                             "second of --rate")
     create.add_argument("--max-active-jobs", type=int, default=None, metavar="N",
                         help="most active or paused jobs at once; default unlimited")
+    update = command(tenant_sub, "update", "change a tenant's share and limits; every "
+                                           "scheduler applies them within seconds",
+                     "tenant update")
+    update.add_argument("tenant_id", metavar="TENANT_ID", help="the id tenant create printed")
+    update.add_argument("--weight", type=int, default=None, help="its share under contention")
+    update.add_argument("--rate", default=None, metavar="PER_S|none",
+                        help="most dispatches a second, or none to lift the quota")
+    update.add_argument("--burst", default=None, metavar="TOKENS|none",
+                        help="the quota's burst, or none for one second of the rate")
+    update.add_argument("--max-active-jobs", default=None, metavar="N|none",
+                        help="most active or paused jobs, or none to lift the limit")
     cron = command(sub, "cron", "print the next fire times of a cron expression: the function "
                                 "the scheduler uses")
     cron.add_argument("expr", help="five fields, or a macro such as @daily")
@@ -236,7 +251,7 @@ async def _tenant_create(settings: Settings, args: argparse.Namespace) -> int:
 
     try:
         spec = msgspec.convert({"name": args.name, "weight": args.weight,
-                                "dispatchRate": args.rate,
+                                "dispatchRate": args.rate, "burst": args.burst,
                                 "maxActiveJobs": args.max_active_jobs}, TenantSpec)
     except msgspec.ValidationError as exc:
         print(f"herdwick tenant create: {exc}", file=sys.stderr)
@@ -250,6 +265,56 @@ async def _tenant_create(settings: Settings, args: argparse.Namespace) -> int:
     print(f"api key:        {created.api_key}")
     print(f"signing secret: {created.signing_secret}")
     return 0
+
+
+def _patch_value(text: str | None) -> object:
+    """A flag of tenant update: absent, `none` (lift the limit), or a number."""
+    if text is None:
+        return None
+    if text.lower() == "none":
+        return "none"
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{text!r} is not a number or none") from None
+
+
+async def _tenant_update(settings: Settings, args: argparse.Namespace) -> int:
+    import uuid
+
+    import msgspec
+
+    from herdwick.model import TenantPatch
+    from herdwick.storage.db import Database
+    from herdwick.storage.tenants import patch_tenant
+
+    fields = {"weight": args.weight, "dispatchRate": _patch_value(args.rate),
+              "burst": _patch_value(args.burst),
+              "maxActiveJobs": _patch_value(args.max_active_jobs)}
+    body = {k: (None if v == "none" else v) for k, v in fields.items() if v is not None}
+    try:
+        tenant_id = uuid.UUID(args.tenant_id)
+        patch = msgspec.convert(body, TenantPatch)
+    except (ValueError, msgspec.ValidationError) as exc:
+        print(f"herdwick tenant update: {exc}", file=sys.stderr)
+        return 2
+    if not body:
+        print("herdwick tenant update: nothing to change (give --weight, --rate, --burst or "
+              "--max-active-jobs)", file=sys.stderr)
+        return 2
+    db = await Database.connect(settings.database_url, max_size=1)
+    try:
+        tenant = await patch_tenant(db, tenant_id, patch)
+    finally:
+        await db.close()
+    print(msgspec.json.encode(tenant).decode())
+    return 0
+
+
+async def _tenant(settings: Settings, args: argparse.Namespace) -> int:
+    if args.tenant_command == "update":
+        return await _tenant_update(settings, args)
+    return await _tenant_create(settings, args)
 
 
 async def _api(settings: Settings, args: argparse.Namespace) -> int:
@@ -378,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         "migrate": _production(_migrate, database_only=True),
         "api": _production(_api),
         "scheduler": _production(_scheduler),
-        "tenant": _production(_tenant_create, database_only=True),
+        "tenant": _production(_tenant, database_only=True),
         "dev": lambda a: _run(_dev(_settings(a))),
         "loadtest": cmd_loadtest,
         "worker": cmd_worker,

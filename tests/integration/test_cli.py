@@ -43,13 +43,15 @@ async def test_help_imports_no_loadtest_gateway_or_driver() -> None:
 FLAGS = {
     ("migrate",): {"--database-url"},
     ("tenant", "create"): {"--database-url"},
-    ("scheduler",): {"--database-url", "--redis-url", "--key-prefix"},
+    ("tenant", "update"): {"--database-url"},
+    ("scheduler",): {"--database-url", "--redis-url", "--key-prefix", "--dispatch-order",
+                     "--ready-max"},
     ("worker",): {"--redis-url", "--key-prefix"},
     ("api",): {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
                "--api-host", "--api-port"},
 }
 SETTINGS = {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
-            "--api-host", "--api-port"}
+            "--api-host", "--api-port", "--dispatch-order", "--ready-max"}
 
 
 @pytest.mark.parametrize("command", list(FLAGS), ids=" ".join)
@@ -91,6 +93,27 @@ async def test_tenant_create_prints_its_credentials_and_stores_the_weight(db_url
         row = await conn.fetchrow("SELECT name, weight, dispatch_rate FROM tenants "
                                   "WHERE tenant_id = $1", tenant_id)
     assert (row["name"], row["weight"], row["dispatch_rate"]) == ("acme", 2, 50.0)
+
+
+async def test_tenant_update_changes_the_share_and_lifts_limits(db_url, db) -> None:
+    code, out, err = await herdwick("tenant", "create", "acme", "--rate", "50", "--burst", "5",
+                                    "--database-url", db_url)
+    assert code == 0, err
+    tenant_id = dict(line.split(":", 1) for line in out.splitlines())["tenant id"].strip()
+    code, out, err = await herdwick("tenant", "update", tenant_id, "--weight", "3", "--rate",
+                                    "20", "--burst", "none", "--database-url", db_url)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert (shown["weight"], shown["dispatchRate"], shown["burst"]) == (3, 20.0, None)
+    async with db.connection() as conn:
+        row = await conn.fetchrow("SELECT weight, dispatch_rate, burst FROM tenants")
+    assert tuple(row) == (3, 20.0, None)
+    code, _, err = await herdwick("tenant", "update", str(uuid.uuid4()), "--weight", "2",
+                                  "--database-url", db_url)
+    assert code == 1 and "does not exist" in err
+    code, _, err = await herdwick("tenant", "update", tenant_id, "--rate", "fast",
+                                  "--database-url", db_url)
+    assert code == 2 and "fast" in err
 
 
 async def test_tenant_create_refuses_a_bad_weight_by_name(db_url, db) -> None:
