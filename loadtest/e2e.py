@@ -5,8 +5,9 @@ handler -> completed -> applied by the execution-event actor. The load is a
 herd (--jobs, all due in one second), a steady rate (--rate for --duration,
 the herd load test's own steady generator), or both at once. Reports, for
 each, due->lease lag (from the lease time Redis stamped on each attempt) and
-when every execution had succeeded in Postgres; the events stream's length
-and the ready stream's consumer-group lag, sampled through the run; and
+when every execution had succeeded in Postgres; the events stream's length,
+the ready stream's consumer-group lag and length and the Redis server's
+used_memory, sampled through the run; and
 Postgres transactions and Redis commands per execution (this run's database
 and the whole Redis server: keep the machine otherwise quiet).
 """
@@ -17,65 +18,66 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import math
 import os
-import secrets
+import signal
 import sys
 import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Annotated
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from msgspec import Meta
 
 from herdwick.config import ConfigError
-from herdwick.loadtest.common import require_loopback
-from herdwick.loadtest.herd import (
-    PARK_AHEAD,
-    Background,
-    JobFactory,
-    Plan,
-    Progress,
+from herdwick.loadtest.background import Background
+from herdwick.loadtest.driver import (
     RunFailed,
-    SchedulerProcess,
-    TenantRef,
-    Watch,
-    create_tenants,
-    delete_keys,
-    herd_batches,
-    insert_batches,
+    check_alive,
     leases_settled,
-    move_herd,
-    pool_names,
+    require_loopback,
     running,
     scheduler_processes,
     scratch_database,
+    scratch_name,
+    scratch_prefix,
+    worker_processes,
+)
+from herdwick.loadtest.jobs import (
+    INSERT_CONNECTIONS,
+    JobFactory,
+    TenantRef,
+    create_tenants,
+    due_second,
+    herd_batches,
+    insert_batches,
+    move_herd,
+    parking_time,
+    pool_names,
     tenant_counts,
 )
-from herdwick.storage import keys
+from herdwick.loadtest.measure import (
+    LeaseLag,
+    RedisMemory,
+    StreamSampler,
+    StreamSamples,
+    lease_lags_by_kind,
+)
+from herdwick.loadtest.report import Progress, memory_line
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
 
+WORKER_APP = "herdwick.loadtest.noop_worker:worker"
 POLL_S = 0.1
 # Until the workers' group has been delivered every job, none can have succeeded
 # all: Postgres is counted this seldom then (a count costs it ~9 ms at 50,000 rows,
 # 9 % of a core at POLL_S), and every POLL_S after.
 UNDELIVERED_POLL_S = 1.0
-SAMPLE_S = 0.5  # the streams' sampling interval
-SAMPLE_COMMANDS = 2  # XLEN and XINFO GROUPS: what one sample adds to the server's count
 
-# The tool's own statements on its scratch database, as in loadtest/herd.py.
-# Herd and steady jobs are told apart by job id alone, without a join: ids are
-# UUIDv7, time-ordered, and every herd job is made before `steady_from`
-# ($1, the floor of that instant's ids), every steady job after it.
-_LAG_SQL = """
-SELECT e.job_id >= $1 AS steady,
-       percentile_disc(ARRAY[0.5, 0.95, 0.99, 1.0]) WITHIN GROUP (
-           ORDER BY extract(epoch FROM e.started_at - e.scheduled_for) * 1000) AS lag_ms,
-       max(e.scheduled_for) AS last_due
-FROM executions e WHERE e.started_at IS NOT NULL GROUP BY 1"""
+# The tool's own statements on its scratch database, as in loadtest/measure.py.
+# Herd and steady jobs are told apart by job id ($1: measure.lease_lags_by_kind).
 _DONE_SQL = """
 SELECT count(*) FILTER (WHERE state = 'succeeded' AND job_id < $1),
        count(*) FILTER (WHERE state = 'succeeded' AND job_id >= $1)
@@ -88,6 +90,19 @@ SELECT (SELECT count(*) FROM executions WHERE state = 'succeeded' AND started_at
        (SELECT count(*) FROM execution_attempts a
         JOIN executions e USING (execution_id, scheduled_for)
         WHERE a.outcome = 'running' AND (e.state <> 'running' OR e.attempt <> a.attempt))"""
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The flags' limits (those of `loadtest herd` where they share a name)."""
+
+    jobs: Annotated[int, Meta(ge=0, le=10_000_000)] = 50_000
+    tenants: Annotated[int, Meta(ge=1, le=1_000)] = 10
+    due_in_s: Annotated[float, Meta(ge=1, le=600)] = 6.0
+    rate: Annotated[float, Meta(ge=0, le=100_000)] = 0.0
+    duration_s: Annotated[float, Meta(gt=0, le=3_600)] = 20.0
+    delay_s: Annotated[float, Meta(ge=0.5, le=60)] = 2.5
+    schedulers: Annotated[int, Meta(ge=1, le=16)] = 1
+    timeout_s: Annotated[float, Meta(gt=0, le=3_600)] = 180.0
 
 
 class History(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,23 +127,6 @@ class Steady(msgspec.Struct, frozen=True, kw_only=True):
     generator_late_max_ms: float  # how far the generator's inserts fell behind its schedule
 
 
-class StreamSamples(msgspec.Struct, frozen=True, kw_only=True):
-    """Every SAMPLE_S from the move (or the steady start), and once more when all have
-    succeeded.
-
-    The event actor XDELs what it has committed, so the events stream's length is
-    its backlog; `ready_lag` is the workers group's XINFO GROUPS lag (entries not yet
-    delivered to a worker), None where Redis could not tell.
-    """
-
-    every_s: float
-    samples: int
-    events_len_max: int
-    events_len_last: int
-    ready_lag_max: int | None
-    ready_lag_last: int | None
-
-
 class Report(msgspec.Struct, kw_only=True):
     jobs: int  # the herd; 0 for a steady rate alone
     schedulers: int
@@ -140,6 +138,7 @@ class Report(msgspec.Struct, kw_only=True):
     lease_lag_ms: dict[str, float] | None
     steady: Steady | None
     streams: StreamSamples
+    redis_memory: RedisMemory  # from just before the move (or the steady start) to the end
     # Without the tool's own polls, samples and the steady jobs' inserts and notifies.
     pg_transactions_per_execution: float
     redis_commands_per_execution: float
@@ -177,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
-    """The herd load test's Plan: its limits check the flags, and its Background reads it."""
+    """The flags, checked."""
     try:
         plan = msgspec.convert(
             {"jobs": args.jobs, "tenants": args.tenants, "due_in_s": args.due_in,
@@ -188,29 +187,6 @@ def plan_from(args: argparse.Namespace) -> Plan:
     if plan.jobs == 0 and plan.rate == 0:
         raise ConfigError("loadtest e2e: nothing to run: give --jobs, --rate or both")
     return plan
-
-
-@contextlib.asynccontextmanager
-async def worker_processes(count: int, redis_url: str, prefix: str, pool: str,
-                           concurrency: int):
-    env = {**os.environ, "HW_E2E_REDIS_URL": redis_url, "HW_E2E_PREFIX": prefix,
-           "HW_E2E_POOL": pool, "HW_E2E_CONCURRENCY": str(concurrency)}
-    procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "herdwick.cli", "worker", "herdwick.loadtest.noop_worker:worker",
-        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-        for _ in range(count)]
-    try:
-        yield procs
-    finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 class ServerCounts(msgspec.Struct, frozen=True, kw_only=True):
@@ -238,57 +214,6 @@ async def server_counts(db: Database, client: aioredis.Redis) -> ServerCounts:
 def uuid7_floor(at: datetime) -> uuid.UUID:
     """Below every UUIDv7 made at or after `at` (herdwick.ids.uuid7's layout)."""
     return uuid.UUID(int=int(at.timestamp() * 1000) << 80)
-
-
-class StreamSampler:
-    """Samples the pool's events and ready streams; its task writes, the run reads after."""
-
-    def __init__(self, client: aioredis.Redis, prefix: str, pool: str) -> None:
-        self._client = client
-        self._events = keys.events_stream(prefix, pool)
-        self._ready = keys.ready_stream(prefix, pool)
-        self.events_len: list[int] = []
-        self.ready_lag: list[int | None] = []
-        self.probes = 0  # delivered() calls, left out of the run's Redis commands
-
-    async def run(self) -> None:
-        while True:
-            await self.sample()
-            await asyncio.sleep(SAMPLE_S)
-
-    async def sample(self) -> None:
-        self.events_len.append(await self._client.xlen(self._events))
-        self.ready_lag.append(await self._ready_lag())
-
-    async def delivered(self) -> int:
-        """Entries the workers' group has been delivered: XINFO GROUPS, counted as a sample."""
-        self.probes += 1
-        try:
-            groups = await self._client.xinfo_groups(self._ready)
-        except ResponseError:
-            return 0
-        read = [g["entries-read"] for g in groups if g["name"] == keys.WORKERS_GROUP.encode()]
-        return (read[0] or 0) if read else 0
-
-    async def _ready_lag(self) -> int | None:
-        try:
-            groups = await self._client.xinfo_groups(self._ready)
-        except ResponseError:  # no stream yet: nothing published
-            return 0
-        lags = [g["lag"] for g in groups if g["name"] == keys.WORKERS_GROUP.encode()]
-        return lags[0] if lags else 0
-
-    @property
-    def samples(self) -> int:
-        return len(self.events_len)
-
-    def result(self) -> StreamSamples:
-        known = [lag for lag in self.ready_lag if lag is not None]
-        return StreamSamples(every_s=SAMPLE_S, samples=self.samples,
-                             events_len_max=max(self.events_len, default=0),
-                             events_len_last=self.events_len[-1] if self.events_len else 0,
-                             ready_lag_max=max(known, default=None),
-                             ready_lag_last=self.ready_lag[-1] if self.ready_lag else None)
 
 
 class Outcomes:
@@ -323,38 +248,24 @@ class Outcomes:
         return f"succeeded: herd {self.herd}/{self.herd_jobs}  steady {self.steady}/{steady}"
 
 
-def _check_alive(schedulers: list[SchedulerProcess], workers: list[asyncio.subprocess.Process],
-                 helpers: list[asyncio.Task]) -> None:
-    """A dead child process or a failed helper task (the sampler, the steady generator)
-    fails the run now rather than as a timeout later."""
-    for proc in schedulers:
-        proc.check_alive()
-    for worker in workers:
-        if worker.returncode is not None:
-            raise RunFailed(f"herdwick worker pid {worker.pid} exited ({worker.returncode})")
-    for task in helpers:
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            raise RunFailed(f"{task.get_name()} failed") from task.exception()
-
-
 async def _until_done(outcomes: Outcomes, sampler: StreamSampler, background: Background,
-                      generator: asyncio.Task | None, check_alive: Callable[[], None],
+                      generator: asyncio.Task | None, alive: Callable[[], None],
                       deadline: float) -> None:
     polled = 0.0
     while True:
         if generator is None:
             outcomes.steady_jobs = 0
         elif generator.done():
-            check_alive()  # a generator that failed made fewer jobs than it should have
+            alive()  # a generator that failed made fewer jobs than it should have
             outcomes.steady_jobs = background.made
         made = None if outcomes.steady_jobs is None else outcomes.herd_jobs + outcomes.steady_jobs
         if (made is not None and await sampler.delivered() >= made) or \
-                time.monotonic() - polled >= UNDELIVERED_POLL_S:
-            polled = time.monotonic()
+                time.perf_counter() - polled >= UNDELIVERED_POLL_S:
+            polled = time.perf_counter()
             if await outcomes.poll():
                 return
-        check_alive()
-        if time.monotonic() > deadline:
+        alive()
+        if time.perf_counter() > deadline:
             raise RunFailed(f"not all succeeded before the timeout: {outcomes.detail()}")
         await asyncio.sleep(POLL_S)
 
@@ -363,22 +274,16 @@ async def run(args: argparse.Namespace, progress: Progress) -> Report:
     plan = plan_from(args)
     require_loopback(args.database_url, "--database-url")
     require_loopback(args.redis_url, "--redis-url")
-    prefix, name = f"hwe2e{secrets.token_hex(4)}", f"hw_e2e_{secrets.token_hex(5)}"
-    pool = pool_names(1)[0]
-    deadline = time.monotonic() + plan.timeout_s
-    client = aioredis.from_url(args.redis_url)
-    try:
-        async with scratch_database(args.database_url, name, args.keep, progress) as dsn:
-            # the steady generator inserts for every tenant at once, beside the polls
-            db = await Database.connect(dsn, max_size=8 + plan.tenants)
-            try:
-                return await _measure(args, plan, db, dsn, client, prefix, pool, deadline,
-                                      progress)
-            finally:
-                await db.close()
-    finally:
-        await delete_keys(client, prefix)
-        await client.aclose()
+    deadline = time.perf_counter() + plan.timeout_s
+    async with scratch_prefix(args.redis_url, "e2e") as (client, prefix), \
+            scratch_database(args.database_url, scratch_name("e2e"), args.keep,
+                             progress.say) as dsn:
+        # the steady generator inserts for every tenant at once, beside the polls
+        db = await Database.connect(dsn, max_size=8 + plan.tenants)
+        try:
+            return await _measure(args, plan, db, dsn, client, prefix, deadline, progress)
+        finally:
+            await db.close()
 
 
 async def _insert_herd(db: Database, plan: Plan, factory: JobFactory,
@@ -386,49 +291,52 @@ async def _insert_herd(db: Database, plan: Plan, factory: JobFactory,
     """The herd parked a day ahead; returns the parking instant (None without a herd)."""
     if plan.jobs == 0:
         return None
-    parked = (datetime.now(UTC) + PARK_AHEAD).replace(microsecond=0)
+    parked = parking_time()
     batches = herd_batches(factory, tenants, tenant_counts(plan.jobs, plan.tenants, 0.0), parked)
     progress.set("insert")
-    await insert_batches(db, batches, 4, lambda n: None)
+    await insert_batches(db, batches, INSERT_CONNECTIONS, lambda n: None)
     return parked
 
 
-async def _measure(args, plan, db, dsn, client, prefix, pool, deadline, progress) -> Report:
+async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
+                   client: aioredis.Redis, prefix: str, deadline: float,
+                   progress: Progress) -> Report:
+    pool = pool_names(1)[0]
     tenants = await create_tenants(db, plan.tenants)
     factory = JobFactory([pool])
     parked = await _insert_herd(db, plan, factory, tenants, progress)
     async with scheduler_processes(plan.schedulers, dsn, args.redis_url, prefix,
                                    ready_max="auto") as procs, \
-            worker_processes(args.workers, args.redis_url, prefix, pool,
+            worker_processes(args.workers, WORKER_APP, args.redis_url, prefix, pool,
                              args.concurrency) as workers:
         await leases_settled(db, procs, deadline)
         before = await server_counts(db, client)
+        sampler = StreamSampler(client, prefix, [pool])
+        await sampler.baseline()
         steady_from = uuid7_floor(datetime.now(UTC))
         due = None
         if parked is not None:
-            due = datetime.fromtimestamp(math.ceil(time.time() + plan.due_in_s), UTC)
+            due = due_second(plan.due_in_s)
             await move_herd(db, parked, due)
-        # The Watch only keeps count here: the workers, not the tool, read the ready stream.
-        background = Background(plan, db, HotTier(client, prefix), tenants, factory, Watch())
-        sampler = StreamSampler(client, prefix, pool)
+        background = Background(plan.rate, plan.duration_s, plan.delay_s, db,
+                                HotTier(client, prefix), tenants, factory)
         outcomes = Outcomes(db, plan.jobs, steady_from)
         progress.set("e2e", outcomes.detail)
         async with contextlib.AsyncExitStack() as stack:
-            helpers = [await stack.enter_async_context(running(sampler.run()))]
-            helpers[0].set_name("the streams sampler")
+            helpers = [await stack.enter_async_context(
+                running(sampler.run(), "the streams sampler"))]
             generator = None
             if plan.rate > 0:
-                generator = await stack.enter_async_context(running(background.run()))
-                generator.set_name("the steady generator")
+                generator = await stack.enter_async_context(
+                    running(background.run(), "the steady generator"))
                 helpers.append(generator)
             await _until_done(outcomes, sampler, background, generator,
-                              functools.partial(_check_alive, procs, workers, helpers), deadline)
+                              functools.partial(check_alive, [*procs, *workers], helpers),
+                              deadline)
         await sampler.sample()  # the last one when all have succeeded: what is left behind
         spent = (await server_counts(db, client)).minus(before)
+        lags = await lease_lags_by_kind(db, steady_from)
         async with db.connection() as conn:
-            lags = {row["steady"]: LeaseLag(ms=_percentiles(row["lag_ms"]),
-                                            last_due=row["last_due"])
-                    for row in await conn.fetch(_LAG_SQL, steady_from)}
             unstarted, left_running = await conn.fetchrow(_HISTORY_SQL)
     herd_lag, steady_lag = lags.get(False), lags.get(True)
     after_due = None if due is None else outcomes.herd_done_at - due.timestamp()
@@ -437,8 +345,7 @@ async def _measure(args, plan, db, dsn, client, prefix, pool, deadline, progress
     # gateway's work (loadtest submit measures it), not the pipeline's, so it is left
     # out, like the tool's own polls and samples.
     xacts = spent.xacts - outcomes.polls - spent.publishes
-    commands = (spent.commands - SAMPLE_COMMANDS * sampler.samples - sampler.probes
-                - spent.publishes)
+    commands = spent.commands - sampler.commands - spent.publishes
     return Report(
         jobs=plan.jobs, schedulers=plan.schedulers, workers=args.workers,
         succeeded=outcomes.herd + outcomes.steady,
@@ -446,22 +353,10 @@ async def _measure(args, plan, db, dsn, client, prefix, pool, deadline, progress
         jobs_per_s=None if after_due is None else round(plan.jobs / after_due),
         lease_lag_ms=None if herd_lag is None else herd_lag.ms,
         steady=None if steady_lag is None else _steady(plan, outcomes, background, steady_lag),
-        streams=sampler.result(),
+        streams=sampler.streams(), redis_memory=sampler.memory(),
         pg_transactions_per_execution=round(xacts / executions, 3),
         redis_commands_per_execution=round(commands / executions, 3),
         history=History(succeeded_without_start=unstarted, attempts_left_running=left_running))
-
-
-class LeaseLag(msgspec.Struct, frozen=True):
-    """One kind's (herd or steady) row of _LAG_SQL."""
-
-    ms: dict[str, float]
-    last_due: datetime
-
-
-def _percentiles(lag_ms: list[float]) -> dict[str, float]:
-    return dict(zip(("p50", "p95", "p99", "max"), [round(float(v)) for v in lag_ms],
-                    strict=True))
 
 
 def _steady(plan: Plan, outcomes: Outcomes, background: Background, lag: LeaseLag) -> Steady:
@@ -497,7 +392,9 @@ def render_text(r: Report) -> str:
     lines += [
         f"  events stream length, sampled every {st.every_s:g} s ({st.samples} samples): "
         f"max {st.events_len_max}, last {st.events_len_last}",
-        f"  ready stream, workers group lag: max {st.ready_lag_max}, last {st.ready_lag_last}",
+        f"  ready stream, workers group lag: max {st.ready_lag_max}, last {st.ready_lag_last};"
+        f" length max {st.ready_len_max}, last {st.ready_len_last}",
+        memory_line(r.redis_memory),
         f"  per execution: {r.pg_transactions_per_execution} Postgres transactions (this "
         "database, idle shard loads included),",
         f"    {r.redis_commands_per_execution} Redis commands (server-wide); the tool's own "
@@ -510,11 +407,13 @@ def render_text(r: Report) -> str:
 
 
 async def command(args: argparse.Namespace) -> int:
+    """`herdwick loadtest e2e`: progress on stderr, the report on stdout; 1 if the history
+    has gaps. SIGTERM cancels the run like Ctrl-C does, so it cleans up either way."""
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     progress = Progress(sys.stderr)
-    ticker = asyncio.create_task(progress.run())
-    try:
+    async with running(progress.run()):
         report = await run(args, progress)
-    finally:
-        ticker.cancel()
     print(msgspec.json.encode(report).decode() if args.json else render_text(report))
     return 0 if report.history.sound else 1

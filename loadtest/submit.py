@@ -35,15 +35,12 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import ctypes
 import itertools
 import math
 import os
 import random
-import re
 import secrets
 import signal
-import socket
 import sys
 import time
 import urllib.parse
@@ -53,19 +50,17 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal, TextIO
 
 import aiohttp
-import asyncpg
 import msgspec
-import psutil
 from msgspec import Meta
 
 from herdwick.config import ConfigError
 from herdwick.errors import HerdwickError
 from herdwick.gateway.submit import HERD_WARN_JOBS, herd_second, prepare
 from herdwick.ids import shard_of, uuid7
-from herdwick.loadtest.common import Child, require_loopback, with_database
+from herdwick.loadtest.driver import api_processes, require_loopback, scratch_database, scratch_name
+from herdwick.loadtest.measure import CpuProbe, Machine, machine_info
 from herdwick.model import MAX_BATCH_JOBS, JobSpec, TenantSpec
 from herdwick.storage import jobs as store
-from herdwick.storage import migrate
 from herdwick.storage.db import Database
 from herdwick.storage.jobs import NewJob
 from herdwick.storage.tenants import create_tenant
@@ -196,14 +191,6 @@ class Cleanup(msgspec.Struct, frozen=True, kw_only=True):
         return self.failed == 0 and self.unanswered_requests == 0
 
 
-class Machine(msgspec.Struct, frozen=True, kw_only=True):
-    cpus: int
-    python: str
-    postgres: str
-    fsync: str
-    synchronous_commit: str
-
-
 class Report(msgspec.Struct, frozen=True, kw_only=True):
     started_at: datetime
     plan: Plan
@@ -267,60 +254,6 @@ def latency_of(samples_s: list[float]) -> Latency:
 
     return Latency(samples=len(ordered), p50_ms=rank_ms(0.50), p95_ms=rank_ms(0.95),
                    p99_ms=rank_ms(0.99), max_ms=rank_ms(1.0))
-
-
-class CpuSample(msgspec.Struct, frozen=True):
-    api_s: float | None
-    loadgen_s: float
-    postgres_s: dict[int, float] | None  # by pid: backends come and go
-    machine_busy_s: float
-
-
-class CpuProbe:
-    """Reads process and machine CPU seconds (psutil).
-
-    Postgres counts the backends of `database` (all backends when None) and the
-    server's shared processes (WAL writer, checkpointer, ...); other databases'
-    backends, e.g. a test suite's on a shared server, fall into "other". With
-    `postgres=False` (the load goes to a database the tool does not know) it
-    counts none: they fall into "other" too.
-    """
-
-    def __init__(self, api_pids: tuple[int, ...] = (), database: str | None = None, *,
-                 postgres: bool = True) -> None:
-        self._api = [psutil.Process(pid) for pid in api_pids]
-        self._me = psutil.Process()
-        self._database = database
-        self._count_postgres = postgres
-
-    def read(self) -> CpuSample:
-        api = sum(_cpu_s(p.cpu_times()) for p in self._api) if self._api else None
-        t = psutil.cpu_times()
-        busy = t.user + t.nice + t.system + t.irq + t.softirq + t.steal
-        postgres = self._postgres() if self._count_postgres else None
-        return CpuSample(api, _cpu_s(self._me.cpu_times()), postgres, busy)
-
-    def _postgres(self) -> dict[int, float]:
-        # A backend that exits inside the window takes its seconds with it; the
-        # pools in use are opened during warm-up, so that is only short-lived ones.
-        found = {}
-        for p in psutil.process_iter(["name", "cmdline", "cpu_times"]):
-            if p.info["name"] != "postgres" or p.info["cpu_times"] is None:
-                continue
-            title = " ".join(p.info["cmdline"] or ())
-            if self._database is None or f" {self._database} " in title or _SHARED.search(title):
-                found[p.pid] = _cpu_s(p.info["cpu_times"])
-        return found
-
-
-# The titles of the postmaster and its shared processes (not client backends).
-_SHARED = re.compile(r"bin/postgres|: (checkpointer|background writer|walwriter|"
-                     r"autovacuum launcher|logical replication launcher|archiver|"
-                     r"stats collector)\s*$")
-
-
-def _cpu_s(times) -> float:
-    return times.user + times.system
 
 
 async def _sleep_until(when: float) -> None:
@@ -761,96 +694,19 @@ def _say_cleanup(progress: Progress, head: str, cleanup: Cleanup) -> None:
         progress.say(f"  {line}")
 
 
-# --- setting up: a scratch database and the API processes --------------------------------
-
+# --- setting up -------------------------------------------------------------------------
 
 
 def _database_of(dsn: str) -> str:
     return urllib.parse.urlsplit(dsn).path.lstrip("/")
 
 
-
-# The tool owns a throwaway database, so it holds the few administrative
-# statements itself: storage/ has none for creating or dropping databases.
-@contextlib.asynccontextmanager
-async def scratch_database(server_dsn: str, keep: bool,
-                           progress: Progress) -> AsyncIterator[tuple[str, Machine]]:
-    """A fresh, migrated database `hw_loadtest_<random>` on the server; dropped afterwards."""
-    name = f"hw_loadtest_{secrets.token_hex(5)}"
-    admin = await asyncpg.connect(server_dsn, timeout=10)
-    try:
-        machine = Machine(
-            cpus=os.cpu_count() or 1, python=sys.version.split()[0],
-            postgres=await admin.fetchval("SHOW server_version"),
-            fsync=await admin.fetchval("SHOW fsync"),
-            synchronous_commit=await admin.fetchval("SHOW synchronous_commit"))
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        try:
-            dsn = with_database(server_dsn, name)
-            await migrate.apply(dsn)
-            yield dsn, machine
-        finally:
-            if keep:
-                progress.say(f"kept database {name}")
-            else:
-                await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
-
-
+# The tool's own statements on its scratch database: storage/ has no row counts.
 async def count_rows(db: Database, tenant_id: uuid.UUID) -> tuple[int, int]:
     async with db.connection() as conn:
         jobs = await conn.fetchval("SELECT count(*) FROM jobs WHERE tenant_id = $1", tenant_id)
         due = await conn.fetchval("SELECT count(*) FROM due_index")
     return jobs, due
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ApiProcess(Child):
-    """One `herdwick api` child. Owned by api_processes()."""
-
-    command = "herdwick api"
-    marker = "event=api_listening"
-    start_timeout_s = API_START_TIMEOUT_S
-    stop_timeout_s = API_STOP_TIMEOUT_S
-    error = ConfigError
-
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _dies_with_us() -> Callable[[], None] | None:
-    """A preexec_fn: Linux SIGTERMs the child if this process dies, even by SIGKILL."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork, not in the child
-    return lambda: libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM))
-
-
-@contextlib.asynccontextmanager
-async def api_processes(count: int, database_url: str,
-                        redis_url: str) -> AsyncIterator[tuple[str, tuple[int, ...]]]:
-    """`count` processes of `herdwick api` on one port (SO_REUSEPORT); yields URL and pids."""
-    port = free_port()
-    env = {**os.environ, "HERDWICK_DATABASE_URL": database_url, "HERDWICK_REDIS_URL": redis_url,
-           "HERDWICK_ADMIN_TOKEN": secrets.token_urlsafe(24), "HERDWICK_API_HOST": "127.0.0.1",
-           "HERDWICK_API_PORT": str(port), "HERDWICK_KEY_PREFIX": f"hwlt{secrets.token_hex(4)}"}
-    apis: list[ApiProcess] = []
-    try:
-        for _ in range(count):
-            apis.append(ApiProcess(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "herdwick.cli", "api", "--reuse-port", env=env,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, preexec_fn=_dies_with_us())))
-            await apis[-1].started()
-        yield f"http://127.0.0.1:{port}", tuple(a.proc.pid for a in apis)
-    finally:
-        await asyncio.gather(*(a.stop() for a in apis))
 
 
 # --- the whole run -------------------------------------------------------------------------
@@ -892,7 +748,9 @@ async def run(options: Options, progress: Progress) -> Report:
         names = f"loadtest-{secrets.token_hex(4)}"
         bodies = job_bodies(DISTINCT_BODIES, name=names, due_after_s=URL_DUE_AFTER_S)
         ledger_of = canceled_afterwards(url_target(options), names, progress)
-    async with scratch_database(options.database_url, options.keep, progress) as (dsn, machine):
+    machine = await machine_info(options.database_url, options.redis_url)
+    async with scratch_database(options.database_url, scratch_name("loadtest"), options.keep,
+                                progress.say) as dsn:
         db = await Database.connect(dsn, min_size=1,
                                     max_size=max(plan.raw_connections, plan.batch_clients))
         try:

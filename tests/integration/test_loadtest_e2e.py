@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from herdwick.loadtest import e2e
-from herdwick.loadtest.herd import Progress
+from herdwick.loadtest.report import Progress
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,12 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from herdwick.config import ConfigError
 from herdwick.loadtest import herd
-from herdwick.loadtest.herd import Lag, Options, Plan, Progress, Report
+from herdwick.loadtest.herd import Options, Plan, Report
+from herdwick.loadtest.jobs import tenant_counts
+from herdwick.loadtest.measure import Lag
+from herdwick.loadtest.report import Progress, render_json
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +86,7 @@ async def test_a_tiny_herd_is_reported_whole_and_consistent(services) -> None:
     text = herd.render_text(report)
     assert "exactly once" in text and "herd-01" in text
     assert "complete" in text.splitlines()[-1]
-    again = msgspec.json.decode(herd.render_json(report), type=Report)
+    again = msgspec.json.decode(render_json(report), type=Report)
     assert again.herd == report.herd
 
     assert await leftovers(services) == before  # databases dropped, keys deleted
@@ -101,11 +105,11 @@ def test_the_flags_become_options() -> None:
 @pytest.mark.parametrize("url", ["postgresql://u@10.1.2.3/x", "redis://db.example.com:6379"])
 async def test_only_loopback_targets_are_accepted(url: str) -> None:
     key = "database_url" if url.startswith("postgresql") else "redis_url"
-    with pytest.raises(herd.ConfigError, match="loopback"):
+    with pytest.raises(ConfigError, match="loopback"):
         await herd.run(Options(plan=Plan(jobs=1), **{key: url}), Progress(None))
 
 
 def test_the_noisy_tenant_takes_its_share_and_the_rest_split_evenly() -> None:
-    assert herd.tenant_counts(100, 4, 0.5) == [50, 17, 17, 16]
-    assert herd.tenant_counts(10, 3, 0.0) == [4, 3, 3]
-    assert sum(herd.tenant_counts(100_000, 10, 0.37)) == 100_000
+    assert tenant_counts(100, 4, 0.5) == [50, 17, 17, 16]
+    assert tenant_counts(10, 3, 0.0) == [4, 3, 3]
+    assert sum(tenant_counts(100_000, 10, 0.37)) == 100_000

@@ -1,0 +1,154 @@
+"""The jobs a load test inserts: tenants, rows the gateway would write, and a herd's timing.
+
+A herd is inserted parked a day ahead (invisible to the shards, which look a
+minute ahead), then moved in one statement to a whole second a few seconds
+ahead, so every shard has loaded it before it falls due: what is measured is
+dispatch, not the insert.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+
+from herdwick.gateway.submit import prepare
+from herdwick.ids import shard_of, uuid7
+from herdwick.loadtest.driver import RunFailed
+from herdwick.model import JobSpec, Schedule, Target, TenantSpec
+from herdwick.storage.db import Database
+from herdwick.storage.jobs import NewJob, due_minute, insert_jobs
+from herdwick.storage.tenants import create_tenant
+
+PAYLOAD = b'{"user": "user42@example.com", "template": "welcome", "tags": ["a", "b"]}'
+INSERT_BATCH = 1_000  # jobs per insert_jobs call
+INSERT_CONNECTIONS = 4
+PARK_AHEAD = timedelta(days=1)  # far past the shards' lookahead: invisible until moved
+
+
+class TenantRef(msgspec.Struct, frozen=True):
+    tenant_id: uuid.UUID
+    name: str
+
+    @property
+    def key(self) -> bytes:  # as it appears in a stream entry's tenant_id field
+        return str(self.tenant_id).encode()
+
+
+def pool_names(count: int) -> list[str]:
+    return [f"loadtest-{i}" for i in range(count)]
+
+
+def tenant_counts(total: int, tenants: int, skew: float) -> list[int]:
+    """The noisy first tenant takes `skew` of the total; the rest split what is left evenly."""
+    if skew > 0 and tenants > 1:
+        noisy = round(total * skew)
+        return [noisy, *even_split(total - noisy, tenants - 1)]
+    return even_split(total, tenants)
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+async def create_tenants(db: Database, count: int) -> list[TenantRef]:
+    """`count` tenants with the defaults, named herd-00, herd-01, ..."""
+    return await create_tenants_of(db, [TenantSpec(name=f"herd-{i:02d}") for i in range(count)])
+
+
+async def create_tenants_of(db: Database, specs: list[TenantSpec]) -> list[TenantRef]:
+    now = datetime.now(UTC)
+    tenants = []
+    for spec in specs:
+        created = await create_tenant(db, spec, now)
+        tenants.append(TenantRef(created.tenant_id, spec.name))
+    return tenants
+
+
+class JobFactory:
+    """NewJobs from one template per pool, each prepared by the gateway's own `prepare`.
+
+    A job differs from its template only in id, shard and due time, so the rows
+    are what the gateway would insert for the same body.
+    """
+
+    def __init__(self, pools: list[str]) -> None:
+        now = datetime.now(UTC)
+        self._templates = [_template(pool, now) for pool in pools]
+
+    def make(self, index: int, due: datetime, now: datetime) -> NewJob:
+        job_id = uuid7(now)
+        return msgspec.structs.replace(self._templates[index % len(self._templates)],
+                                       job_id=job_id, shard_id=shard_of(job_id), next_run_at=due)
+
+
+def _template(pool: str, now: datetime) -> NewJob:
+    spec = JobSpec(name="loadtest-herd", target=Target(type="queue", ref=pool),
+                   schedule=Schedule(delay_seconds=60), payload=msgspec.Raw(PAYLOAD))
+    prepared = prepare(spec, now=now, allow=())
+    if prepared.job is None:
+        raise RunFailed(f"the job template does not validate: {prepared.errors}")
+    return prepared.job
+
+
+Batch = tuple[TenantRef, list[NewJob]]
+
+
+def herd_batches(factory: JobFactory, tenants: list[TenantRef], counts: list[int],
+                 due: datetime) -> list[Batch]:
+    """Every tenant's share of the herd, due at `due`, cut into insert batches."""
+    now = datetime.now(UTC)
+    batches: list[Batch] = []
+    index = 0
+    for tenant, count in zip(tenants, counts, strict=True):
+        jobs = [factory.make(index + i, due, now) for i in range(count)]
+        index += count
+        batches += [(tenant, jobs[i:i + INSERT_BATCH]) for i in range(0, count, INSERT_BATCH)]
+    return batches
+
+
+async def insert_batches(db: Database, batches: list[Batch], connections: int,
+                         on_inserted: Callable[[int], None]) -> None:
+    """insert_jobs for every batch, `connections` at a time."""
+    pending = iter(batches)
+
+    async def worker() -> None:
+        for tenant, jobs in pending:  # one shared iterator: each batch goes to one worker
+            outcome = await insert_jobs(db, tenant.tenant_id, jobs, now=datetime.now(UTC))
+            if not outcome.inserted:
+                raise RunFailed("insert_jobs wrote nothing for a batch")
+            on_inserted(len(jobs))
+
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(connections):
+            tg.create_task(worker())
+
+
+def parking_time() -> datetime:
+    return (datetime.now(UTC) + PARK_AHEAD).replace(microsecond=0)
+
+
+def due_second(due_in_s: float) -> datetime:
+    """The first whole second at least `due_in_s` from now."""
+    return datetime.fromtimestamp(math.ceil(time.time() + due_in_s), UTC)
+
+
+# The tool's own statement on its scratch database: storage/ has no query that moves a
+# herd in time, and none should exist outside a load test.
+# Only the due rows move: dispatch reads the due time from due_index and
+# clears jobs.next_run_at whatever it held, so the jobs keep the parked time
+# (an UPDATE of jobs would double the move's cost and eat the shards' lead).
+_MOVE_DUE = "UPDATE due_index SET next_run_at = $1, due_minute = $2 WHERE next_run_at = $3"
+
+
+async def move_herd(db: Database, parked_at: datetime, due: datetime) -> int:
+    """One statement: every parked due row falls due at `due` at once."""
+    async with db.connection() as conn:
+        status = await conn.execute(_MOVE_DUE, due, due_minute(due), parked_at)
+    return int(status.split()[-1])
