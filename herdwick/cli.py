@@ -161,15 +161,28 @@ def _loadtest_parser(sub: argparse._SubParsersAction, logging_: argparse.Argumen
                     "with a no-op handler; reports the time until every execution "
                     "succeeded in Postgres, due->lease lag, the events and ready streams' "
                     "backlog, and Postgres transactions and Redis commands per execution.")
+    noisy = actions.add_parser(
+        "noisy-neighbour", parents=[logging_],
+        help="one tenant's herd beside quiet tenants, with fair queuing on or off",
+        description="One noisy tenant with --jobs due in one second and --quiet-tenants "
+                    "with --quiet-jobs each due in the same second, through `herdwick "
+                    "scheduler` and `herdwick worker` processes whose handler sleeps "
+                    "--handler-ms (the workers are the bottleneck); reports each "
+                    "tenant's due->lease lag, the noisy tenant's drain rate beside its "
+                    "share and quota, Jain's index over the quiet tenants, the ready "
+                    "stream's length and Redis memory. --fair off for first-in "
+                    "first-out dispatch.")
     if not flags:
         return
     from herdwick.loadtest.e2e import add_arguments as e2e_arguments
     from herdwick.loadtest.herd import add_arguments as herd_arguments
+    from herdwick.loadtest.noisy import add_arguments as noisy_arguments
     from herdwick.loadtest.submit import add_arguments as submit_arguments
 
     submit_arguments(submit)
     herd_arguments(herd)
     e2e_arguments(e2e)
+    noisy_arguments(noisy)
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -332,6 +345,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         from herdwick.loadtest import submit as action
     elif args.loadtest_command == "e2e":
         from herdwick.loadtest import e2e as action
+    elif args.loadtest_command == "noisy-neighbour":
+        from herdwick.loadtest import noisy as action
     else:
         from herdwick.loadtest import herd as action
     try:

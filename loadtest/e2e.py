@@ -22,8 +22,6 @@ import os
 import signal
 import sys
 import time
-import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -34,7 +32,6 @@ from msgspec import Meta
 from herdwick.config import ConfigError
 from herdwick.loadtest.background import Background
 from herdwick.loadtest.driver import (
-    RunFailed,
     check_alive,
     leases_settled,
     require_loopback,
@@ -65,33 +62,15 @@ from herdwick.loadtest.measure import (
     StreamSamples,
     lease_lags_by_kind,
 )
+from herdwick.loadtest.outcomes import History, Outcomes, history_of, until_done, uuid7_floor
 from herdwick.loadtest.report import Progress, memory_line
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
 
 WORKER_APP = "herdwick.loadtest.noop_worker:worker"
-POLL_S = 0.1
-# Until the workers' group has been delivered every job, none can have succeeded
-# all: Postgres is counted this seldom then (a count costs it ~9 ms at 50,000 rows,
-# 9 % of a core at POLL_S), and every POLL_S after.
-UNDELIVERED_POLL_S = 1.0
 
 # The tool's own statements on its scratch database, as in loadtest/measure.py.
-# Herd and steady jobs are told apart by job id ($1: measure.lease_lags_by_kind).
-_DONE_SQL = """
-SELECT count(*) FILTER (WHERE state = 'succeeded' AND job_id < $1),
-       count(*) FILTER (WHERE state = 'succeeded' AND job_id >= $1)
-FROM executions"""
 _XACTS_SQL = "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
-# Gaps in the history an owner reads: a success that never started, an attempt
-# left running after its execution moved on.
-_HISTORY_SQL = """
-SELECT (SELECT count(*) FROM executions WHERE state = 'succeeded' AND started_at IS NULL),
-       (SELECT count(*) FROM execution_attempts a
-        JOIN executions e USING (execution_id, scheduled_for)
-        WHERE a.outcome = 'running' AND (e.state <> 'running' OR e.attempt <> a.attempt))"""
-
-
 class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The flags' limits (those of `loadtest herd` where they share a name)."""
 
@@ -103,17 +82,6 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     delay_s: Annotated[float, Meta(ge=0.5, le=60)] = 2.5
     schedulers: Annotated[int, Meta(ge=1, le=16)] = 1
     timeout_s: Annotated[float, Meta(gt=0, le=3_600)] = 180.0
-
-
-class History(msgspec.Struct, frozen=True, kw_only=True):
-    """What the run's history shows that it should not; both 0 in a sound run."""
-
-    succeeded_without_start: int
-    attempts_left_running: int
-
-    @property
-    def sound(self) -> bool:
-        return self.succeeded_without_start == 0 and self.attempts_left_running == 0
 
 
 class Steady(msgspec.Struct, frozen=True, kw_only=True):
@@ -211,65 +179,6 @@ async def server_counts(db: Database, client: aioredis.Redis) -> ServerCounts:
                         publishes=int(stats.get("cmdstat_publish", {}).get("calls", 0)))
 
 
-def uuid7_floor(at: datetime) -> uuid.UUID:
-    """Below every UUIDv7 made at or after `at` (herdwick.ids.uuid7's layout)."""
-    return uuid.UUID(int=int(at.timestamp() * 1000) << 80)
-
-
-class Outcomes:
-    """What Postgres says has succeeded, herd and steady apart; polled by _until_done.
-
-    `steady_jobs` is None until the generator has made its last job.
-    """
-
-    def __init__(self, db: Database, herd_jobs: int, steady_from: uuid.UUID) -> None:
-        self._db, self._steady_from = db, steady_from
-        self.herd_jobs = herd_jobs
-        self.steady_jobs: int | None = None
-        self.herd = self.steady = 0
-        self.herd_done_at: float | None = None  # wall clock, when all had succeeded
-        self.steady_done_at: float | None = None
-        self.polls = 0
-
-    async def poll(self) -> bool:
-        async with self._db.connection() as conn:
-            self.herd, self.steady = await conn.fetchrow(_DONE_SQL, self._steady_from)
-        self.polls += 1
-        now = time.time()
-        if self.herd_done_at is None and self.herd >= self.herd_jobs:
-            self.herd_done_at = now
-        if (self.steady_done_at is None and self.steady_jobs is not None
-                and self.steady >= self.steady_jobs):
-            self.steady_done_at = now
-        return self.herd_done_at is not None and self.steady_done_at is not None
-
-    def detail(self) -> str:
-        steady = "-" if self.steady_jobs is None else self.steady_jobs
-        return f"succeeded: herd {self.herd}/{self.herd_jobs}  steady {self.steady}/{steady}"
-
-
-async def _until_done(outcomes: Outcomes, sampler: StreamSampler, background: Background,
-                      generator: asyncio.Task | None, alive: Callable[[], None],
-                      deadline: float) -> None:
-    polled = 0.0
-    while True:
-        if generator is None:
-            outcomes.steady_jobs = 0
-        elif generator.done():
-            alive()  # a generator that failed made fewer jobs than it should have
-            outcomes.steady_jobs = background.made
-        made = None if outcomes.steady_jobs is None else outcomes.herd_jobs + outcomes.steady_jobs
-        if (made is not None and await sampler.delivered() >= made) or \
-                time.perf_counter() - polled >= UNDELIVERED_POLL_S:
-            polled = time.perf_counter()
-            if await outcomes.poll():
-                return
-        alive()
-        if time.perf_counter() > deadline:
-            raise RunFailed(f"not all succeeded before the timeout: {outcomes.detail()}")
-        await asyncio.sleep(POLL_S)
-
-
 async def run(args: argparse.Namespace, progress: Progress) -> Report:
     plan = plan_from(args)
     require_loopback(args.database_url, "--database-url")
@@ -330,14 +239,13 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
                 generator = await stack.enter_async_context(
                     running(background.run(), "the steady generator"))
                 helpers.append(generator)
-            await _until_done(outcomes, sampler, background, generator,
+            await until_done(outcomes, sampler, background, generator,
                               functools.partial(check_alive, [*procs, *workers], helpers),
                               deadline)
         await sampler.sample()  # the last one when all have succeeded: what is left behind
         spent = (await server_counts(db, client)).minus(before)
         lags = await lease_lags_by_kind(db, steady_from)
-        async with db.connection() as conn:
-            unstarted, left_running = await conn.fetchrow(_HISTORY_SQL)
+        history = await history_of(db)
     herd_lag, steady_lag = lags.get(False), lags.get(True)
     after_due = None if due is None else outcomes.herd_done_at - due.timestamp()
     executions = plan.jobs + background.made
@@ -356,11 +264,11 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         streams=sampler.streams(), redis_memory=sampler.memory(),
         pg_transactions_per_execution=round(xacts / executions, 3),
         redis_commands_per_execution=round(commands / executions, 3),
-        history=History(succeeded_without_start=unstarted, attempts_left_running=left_running))
+        history=history)
 
 
 def _steady(plan: Plan, outcomes: Outcomes, background: Background, lag: LeaseLag) -> Steady:
-    assert outcomes.steady_done_at is not None  # _until_done returned
+    assert outcomes.steady_done_at is not None  # until_done returned
     return Steady(rate_per_s=plan.rate, duration_s=plan.duration_s, delay_s=plan.delay_s,
                   jobs=background.made, succeeded=outcomes.steady,
                   last_succeeded_after_last_due_s=round(

@@ -101,13 +101,16 @@ Batch = tuple[TenantRef, list[NewJob]]
 
 
 def herd_batches(factory: JobFactory, tenants: list[TenantRef], counts: list[int],
-                 due: datetime) -> list[Batch]:
-    """Every tenant's share of the herd, due at `due`, cut into insert batches."""
+                 due: datetime, spread: bool = False) -> list[Batch]:
+    """Every tenant's share of the herd, due at `due`, cut into insert batches; with
+    `spread`, each tenant's jobs evenly over the second from `due`, so every tenant's
+    jobs interleave with every other's by due time."""
     now = datetime.now(UTC)
     batches: list[Batch] = []
     index = 0
     for tenant, count in zip(tenants, counts, strict=True):
-        jobs = [factory.make(index + i, due, now) for i in range(count)]
+        jobs = [factory.make(index + i, due + timedelta(microseconds=i * 1_000_000 // count)
+                             if spread else due, now) for i in range(count)]
         index += count
         batches += [(tenant, jobs[i:i + INSERT_BATCH]) for i in range(0, count, INSERT_BATCH)]
     return batches
@@ -144,11 +147,17 @@ def due_second(due_in_s: float) -> datetime:
 # Only the due rows move: dispatch reads the due time from due_index and
 # clears jobs.next_run_at whatever it held, so the jobs keep the parked time
 # (an UPDATE of jobs would double the move's cost and eat the shards' lead).
-_MOVE_DUE = "UPDATE due_index SET next_run_at = $1, due_minute = $2 WHERE next_run_at = $3"
+# Rows parked within the second from $3 keep their offset in it: $1 is a whole second, so
+# every moved row stays in its minute.
+_MOVE_DUE = """
+UPDATE due_index
+SET next_run_at = $1::timestamptz + (next_run_at - $3::timestamptz), due_minute = $2
+WHERE next_run_at >= $3 AND next_run_at < $3::timestamptz + interval '1 second'"""
 
 
 async def move_herd(db: Database, parked_at: datetime, due: datetime) -> int:
-    """One statement: every parked due row falls due at `due` at once."""
+    """One statement: every due row parked in the second from `parked_at` falls due in the
+    second from `due`, at the same offset."""
     async with db.connection() as conn:
         status = await conn.execute(_MOVE_DUE, due, due_minute(due), parked_at)
     return int(status.split()[-1])
