@@ -16,9 +16,10 @@ from herdwick.gateway.auth import tenant_of
 from herdwick.gateway.body import read_json_body
 from herdwick.gateway.context import Ctx
 from herdwick.gateway.decoding import decode, decode_collecting
+from herdwick.gateway.herd import HERD_PLACEHOLDER, herd_check, herd_warning
 from herdwick.gateway.params import json_response, path_uuid
 from herdwick.gateway.problems import bad_field, invalid
-from herdwick.gateway.submit import HERD_WARN_JOBS, HTTP_POOL, herd_second, herd_warning, prepare
+from herdwick.gateway.submit import HTTP_POOL, prepare
 from herdwick.ids import shard_of
 from herdwick.model import (
     JOB_STATES,
@@ -115,21 +116,26 @@ async def submit_batch(request: web.Request) -> web.Response:
 
 async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: bytes,
                   jobs: list[NewJob], created) -> web.Response:
-    second, in_request = herd_second(jobs)
-    plain = created(herd_warning(second, in_request))
-    warned = created(herd_warning(second, HERD_WARN_JOBS))
+    limit = ctx.settings.herd_warn_jobs
+    herd = herd_check(jobs, ctx.clock.now(), limit)
+    plain = created([])
     request_hash = hashlib.sha256(request.path.encode() + b"\n" + body).digest()
     idem = None
     if key is not None:
+        # The stored body must name the second the statement finds: it writes that
+        # second over the placeholder's.
+        warned = _encoder.encode(created([herd_warning(HERD_PLACEHOLDER, limit)]))
+        at = warned.rindex(sched.format_utc(HERD_PLACEHOLDER).encode())
         idem = NewIdempotency(key=key, request_hash=request_hash, response=_encoder.encode(plain),
-                              response_warned=_encoder.encode(warned))
+                              response_warned=warned, warned_second_at=at)
     for _ in range(2):
         outcome = await store.insert_jobs(
             ctx.db, owner.tenant_id, jobs, now=ctx.clock.now(), idempotency=idem,
-            max_active_jobs=owner.max_active_jobs, herd_second=second, herd_in_request=in_request,
-            herd_limit=HERD_WARN_JOBS)
+            max_active_jobs=owner.max_active_jobs, herd=herd)
         if outcome.inserted:
-            response = warned if outcome.same_second + in_request >= HERD_WARN_JOBS else plain
+            response = plain
+            if outcome.herd_total >= limit:
+                response = created([herd_warning(outcome.herd_second, limit)])
             await ctx.after_submit(owner.tenant_id, jobs)
             return json_response(201, response)
         record = await store.get_idempotency(ctx.db, owner.tenant_id, key)

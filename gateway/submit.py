@@ -6,7 +6,6 @@ Each check names the field it rejects, with the batch index as a prefix
 
 from __future__ import annotations
 
-import collections
 import ipaddress
 import re
 import urllib.parse
@@ -30,8 +29,6 @@ from herdwick.model import (
 from herdwick.storage.jobs import NewJob
 
 HTTP_POOL = "http"
-HERD_WARN_JOBS = 1000  # this many of a tenant's jobs in one second earns a warning
-HERD_SUGGESTED_JITTER_S = 60
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _LOCAL_NAMES = ("localhost", "localhost.localdomain")
 
@@ -210,19 +207,3 @@ def prepare(spec: JobSpec, *, now: datetime, allow: tuple[Network, ...],
         max_attempts=spec.retry.max_attempts, backoff_s=float(spec.retry.backoff_seconds),
         timeout_s=spec.timeout_seconds, next_run_at=first, shard_id=shard_of(job_id))
     return Prepared(job, [])
-
-
-def herd_second(jobs: list[NewJob]) -> tuple[datetime, int]:
-    """The second in which most of these jobs fall due, and how many do."""
-    counts = collections.Counter(j.next_run_at.replace(microsecond=0) for j in jobs)
-    second, count = counts.most_common(1)[0]
-    return second, count
-
-
-def herd_warning(second: datetime, total: int) -> list[str]:
-    if total < HERD_WARN_JOBS:
-        return []
-    return [f"at least {HERD_WARN_JOBS} of this tenant's jobs are due in the second "
-            f"{sched.format_utc(second)}; spread them with schedule.jitterSeconds "
-            f"(e.g. {HERD_SUGGESTED_JITTER_S})"]
-

@@ -34,13 +34,15 @@ _SETTING_HELP = {
                       "(by due time alone, for comparison)",
     "ready_max": "most undelivered entries a pool's ready stream holds: auto (from the "
                  "workers' lease rate), a number, or pool=number pairs, comma-separated",
+    "herd_warn_jobs": "a submit warns when this many of a tenant's jobs fall due in one "
+                      "second (default 1000)",
 }
 # The settings each command reads; a command shows only these flags.
 _SERVICE = ("database_url", "redis_url", "key_prefix")
 _USES = {
     "dev": tuple(ENV),
     "migrate": ("database_url",),
-    "api": (*_SERVICE, "admin_token", "http_allow", "api_host", "api_port"),
+    "api": (*_SERVICE, "admin_token", "http_allow", "api_host", "api_port", "herd_warn_jobs"),
     "scheduler": (*_SERVICE, "dispatch_order", "ready_max"),
     "http-worker": ("redis_url", "key_prefix", "http_allow"),
     "tenant create": ("database_url",),
@@ -195,6 +197,11 @@ def _settings(args: argparse.Namespace) -> Settings:
             overrides["api_port"] = int(overrides["api_port"])
         except ValueError:
             raise ConfigError("--api-port must be a port number") from None
+    if overrides.get("herd_warn_jobs") is not None:
+        try:
+            overrides["herd_warn_jobs"] = int(overrides["herd_warn_jobs"])
+        except ValueError:
+            raise ConfigError("--herd-warn-jobs must be a whole number of jobs") from None
     return from_env(**overrides)
 
 

@@ -19,6 +19,7 @@ DEFAULT_DISPATCH_ORDER = "fair"
 DEFAULT_READY_MAX = "auto"
 MIN_READY_MAX = 1
 MAX_READY_MAX = 100_000_000
+DEFAULT_HERD_WARN_JOBS = 1000
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 Port = Annotated[int, Meta(ge=0, le=65535)]
@@ -40,8 +41,12 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     api_port: Port = DEFAULT_API_PORT
     dispatch_order: str = DEFAULT_DISPATCH_ORDER
     ready_max: str = DEFAULT_READY_MAX
+    herd_warn_jobs: int = DEFAULT_HERD_WARN_JOBS  # a tenant's jobs due in one second that warn
 
     def __post_init__(self) -> None:
+        if self.herd_warn_jobs < 1:
+            raise ConfigError(f"HERDWICK_HERD_WARN_JOBS must be at least 1, "
+                              f"not {self.herd_warn_jobs}")
         if self.dispatch_order not in DISPATCH_ORDERS:
             raise ConfigError(f"HERDWICK_DISPATCH_ORDER must be one of "
                               f"{', '.join(DISPATCH_ORDERS)}, not {self.dispatch_order!r}")
@@ -105,6 +110,7 @@ ENV = {
     "api_port": "HERDWICK_API_PORT",
     "dispatch_order": "HERDWICK_DISPATCH_ORDER",
     "ready_max": "HERDWICK_READY_MAX",
+    "herd_warn_jobs": "HERDWICK_HERD_WARN_JOBS",
 }
 
 
@@ -134,4 +140,9 @@ def _parse(field: str, var: str, value: str) -> object:
             return int(value)
         except ValueError:
             raise ConfigError(f"{var} must be a port number, got {value!r}") from None
+    if field == "herd_warn_jobs":
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{var} must be a whole number of jobs, got {value!r}") from None
     return value

@@ -53,9 +53,10 @@ import aiohttp
 import msgspec
 from msgspec import Meta
 
-from herdwick.config import ConfigError
+from herdwick.config import DEFAULT_HERD_WARN_JOBS, ConfigError
 from herdwick.errors import HerdwickError
-from herdwick.gateway.submit import HERD_WARN_JOBS, herd_second, prepare
+from herdwick.gateway.herd import herd_check
+from herdwick.gateway.submit import prepare
 from herdwick.ids import shard_of, uuid7
 from herdwick.loadtest.driver import api_processes, require_loopback, scratch_database, scratch_name
 from herdwick.loadtest.measure import CpuProbe, Machine, machine_info
@@ -517,11 +518,10 @@ async def http_phases(plan: Plan, target: HttpTarget, bodies: list[dict], probe:
 
 async def _insert(db: Database, tenant_id: uuid.UUID, jobs: list[NewJob]) -> str:
     """What the gateway's submit does after decoding, minus HTTP: the same statement and args."""
-    second, in_request = herd_second(jobs)
+    now = datetime.now(UTC)
     try:
-        await store.insert_jobs(db, tenant_id, jobs, now=datetime.now(UTC),
-                                herd_second=second, herd_in_request=in_request,
-                                herd_limit=HERD_WARN_JOBS)
+        await store.insert_jobs(db, tenant_id, jobs, now=now,
+                                herd=herd_check(jobs, now, DEFAULT_HERD_WARN_JOBS))
     except HerdwickError as exc:
         return type(exc).__name__
     return OK

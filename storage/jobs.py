@@ -44,7 +44,20 @@ class NewIdempotency(msgspec.Struct, frozen=True, kw_only=True):
     key: str
     request_hash: bytes
     response: bytes  # the 201 body to replay
-    response_warned: bytes  # the same with the herd warning, stored if the herd count says so
+    # The same with the herd warning, stored if the herd count says so. Which second it
+    # names is known only in the statement, which writes that second's HerdCheck label
+    # over the placeholder at byte offset warned_second_at.
+    response_warned: bytes
+    warned_second_at: int
+
+
+class HerdCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """The herd warning's question: in which of these seconds are most of the tenant's jobs due?"""
+
+    seconds: list[datetime]  # whole seconds
+    in_request: list[int]  # the request's own jobs due in each
+    labels: list[str]  # each second as the warning names it
+    limit: int  # a second with this many jobs warns; counting stops there
 
 
 class IdempotencyRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,7 +69,10 @@ class IdempotencyRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 class InsertOutcome(msgspec.Struct, frozen=True, kw_only=True):
     inserted: bool  # false: the idempotency key was already held, nothing written
-    same_second: int  # the tenant's jobs already due in the checked second (bounded)
+    # Of the HerdCheck's seconds, the one with the most jobs (None when none was checked),
+    # and how many: the request's and the tenant's active ones, counted up to its limit.
+    herd_second: datetime | None
+    herd_total: int
 
 
 async def insert_jobs(
@@ -67,17 +83,15 @@ async def insert_jobs(
     now: datetime,
     idempotency: NewIdempotency | None = None,
     max_active_jobs: int | None = None,
-    herd_second: datetime | None = None,
-    herd_in_request: int = 0,
-    herd_limit: int = 1000,
+    herd: HerdCheck | None = None,
 ) -> InsertOutcome:
     """Insert jobs, their due_index rows and the idempotency record atomically.
 
     A tenant with max_active_jobs takes a per-tenant advisory lock and counts
     first; unlimited tenants (the common case) pay one statement, no lock.
+    Without `herd` no second is checked.
     """
-    args = _insert_args(tenant_id, jobs, now, idempotency, herd_second, herd_in_request,
-                        herd_limit)
+    args = _insert_args(tenant_id, jobs, now, idempotency, herd)
     if max_active_jobs is None:
         async with db.connection() as conn:
             row = await conn.fetchrow(q("insert_jobs"), *args)
@@ -90,12 +104,12 @@ async def insert_jobs(
                     f"the tenant has {live} active or paused jobs; max_active_jobs is "
                     f"{max_active_jobs}", QUOTA_RETRY_AFTER_S)
             row = await conn.fetchrow(q("insert_jobs"), *args)
-    return InsertOutcome(inserted=row["inserted"], same_second=row["same_second"])
+    return InsertOutcome(inserted=row["inserted"], herd_second=row["herd_second"],
+                         herd_total=row["herd_total"])
 
 
 def _insert_args(tenant_id: uuid.UUID, jobs: list[NewJob], now: datetime,
-                 idem: NewIdempotency | None, herd_second: datetime | None,
-                 herd_in_request: int, herd_limit: int) -> tuple[object, ...]:
+                 idem: NewIdempotency | None, herd: HerdCheck | None) -> tuple[object, ...]:
     return (
         tenant_id,
         idem.key if idem else None,
@@ -116,10 +130,12 @@ def _insert_args(tenant_id: uuid.UUID, jobs: list[NewJob], now: datetime,
         [j.next_run_at for j in jobs],
         [j.shard_id for j in jobs],
         [due_minute(j.next_run_at) for j in jobs],
-        herd_second,
-        herd_limit,
-        herd_in_request,
+        herd.seconds if herd else [],
+        herd.in_request if herd else [],
+        herd.limit if herd else 0,
+        herd.labels if herd else [],
         idem.response_warned if idem else None,
+        idem.warned_second_at + 1 if idem else None,  # SQL's overlay counts from 1
     )
 
 

@@ -2,21 +2,30 @@
 -- Inserts a batch of jobs, their due_index rows and, when a key is given, the
 -- idempotency record, as one statement (so one implicit transaction, one
 -- round trip). inserted is false, and nothing is written, when the key is
--- already held by an unexpired record. same_second counts (up to $21) the
--- tenant's active jobs already due in the second starting at $20; the stored
--- response is $23 (the one carrying the herd warning) when those plus the
--- request's own $22 jobs in that second reach $21, else $4.
+-- already held by an unexpired record.
+-- The herd check: for each second of $20 (the request's own jobs due in it are
+-- $21), the tenant's active jobs already due then, counted by the
+-- jobs_tenant_due index only as far as reaching $22 needs. herd_second and
+-- herd_total are the second with the most and that most. jobs.next_run_at is
+-- each job's next due time only: later cron fires are not in it. When the
+-- total reaches $22 the stored response is $24 (the one with the herd
+-- warning) with that second's label from $23 written at byte $25, else $4.
 WITH herd AS (
-    SELECT count(*) AS n FROM (
-        SELECT 1 FROM jobs
-        WHERE tenant_id = $1 AND state = 'active'
-          AND next_run_at >= $20 AND next_run_at < $20 + interval '1 second'
-        LIMIT $21) s
+    SELECT c.second, c.label, c.in_request + (
+               SELECT count(*) FROM (
+                   SELECT 1 FROM jobs
+                   WHERE tenant_id = $1 AND state = 'active'
+                     AND next_run_at >= c.second AND next_run_at < c.second + interval '1 second'
+                   LIMIT greatest($22 - c.in_request, 0)) s) AS total
+    FROM unnest($20::timestamptz[], $21::integer[], $23::text[]) AS c(second, in_request, label)
+    ORDER BY total DESC, c.second
+    LIMIT 1
 ), idem AS (
     INSERT INTO idempotency_keys AS k
         (tenant_id, key, request_hash, status, response, created_at, expires_at)
     SELECT $1, $2, $3, 201,
-           CASE WHEN (SELECT n FROM herd) + $22 >= $21 THEN $23::bytea ELSE $4::bytea END, $5, $6
+           coalesce((SELECT overlay($24::bytea placing convert_to(label, 'UTF8') from $25)
+                     FROM herd WHERE total >= $22), $4::bytea), $5, $6
     WHERE $2::text IS NOT NULL
     ON CONFLICT (tenant_id, key) DO UPDATE SET
         request_hash = EXCLUDED.request_hash, status = EXCLUDED.status,
@@ -48,7 +57,8 @@ WITH herd AS (
 SELECT (SELECT ok FROM go) AS inserted,
        (SELECT count(*) FROM new_jobs) AS jobs_written,
        (SELECT count(*) FROM new_due) AS due_written,
-       (SELECT n FROM herd) AS same_second;
+       (SELECT second FROM herd) AS herd_second,
+       coalesce((SELECT total FROM herd), 0) AS herd_total;
 
 -- name: get_idempotency
 SELECT request_hash, status, response, expires_at

@@ -42,9 +42,10 @@ def make_job(**overrides) -> dict:
 
 
 @asynccontextmanager
-async def tenant_api(db_url: str, redis_url: str, key_prefix: str, clock) -> AsyncIterator[Api]:
+async def tenant_api(db_url: str, redis_url: str, key_prefix: str, clock,
+                     **settings) -> AsyncIterator[Api]:
     """A gateway on a real socket, and a tenant of it with its API key."""
-    client = await start_client(db_url, redis_url, key_prefix, clock)
+    client = await start_client(db_url, redis_url, key_prefix, clock, **settings)
     try:
         holder = Api(client=client, key="", tenant_id="")
         tenant = await holder.create_tenant()

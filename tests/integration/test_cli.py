@@ -48,10 +48,10 @@ FLAGS = {
                      "--ready-max"},
     ("worker",): {"--redis-url", "--key-prefix"},
     ("api",): {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
-               "--api-host", "--api-port"},
+               "--api-host", "--api-port", "--herd-warn-jobs"},
 }
 SETTINGS = {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
-            "--api-host", "--api-port", "--dispatch-order", "--ready-max"}
+            "--api-host", "--api-port", "--dispatch-order", "--ready-max", "--herd-warn-jobs"}
 
 
 @pytest.mark.parametrize("command", list(FLAGS), ids=" ".join)
