@@ -15,8 +15,11 @@ the pool's slot). Derived keys:
                      only while state is `leased`.
   base..':leases'    sorted set: execution id, scored by lease_until (ms), for hw_expire
   base..':events'    stream of what happened, read by the scheduler's event actor
-  base..':reserved'  stream slots hw_admit granted that no hw_publish has filled yet;
-                     expires, so a scheduler that died holding some gives them back
+  base..':grants'    hash: stream slots hw_admit granted that no hw_publish has filled
+                     yet, by the second they were granted (field: ms // 1000); each
+                     second's slots lapse RESERVED_TTL_MS after it, so a scheduler that
+                     died holding some gives them back on time, however often the live
+                     ones ask
   base..':drain'     hash: leases counted over the current second (since_ms, count) and
                      the smoothed lease rate per second (rate): the default bound
 States: ready (published), leased, retry_wait, dead, done, canceled.
@@ -45,7 +48,7 @@ the attempt started.)
   canceled   nothing more (worker_id is the holder's, '' if none)
 ]]
 
-local LIBRARY_VERSION = '10'
+local LIBRARY_VERSION = '11'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- A done, dead or canceled hash keeps only its attempt and state, for this long:
 -- a late republish of that attempt (a scheduler retrying a publish whose reply it
@@ -64,8 +67,79 @@ local READY_WINDOW_MS = 2000
 local READY_MIN = 2000
 local READY_MAX = 20000
 local RESERVED_TTL_MS = 10000
+local GRANT_SECOND_MS = 1000
 local DRAIN_SECOND_MS = 1000
 local DRAIN_STALE_MS = 10000
+
+-- Server time: milliseconds, and the microseconds of the second (for jitter).
+local function now_ms()
+  local t = redis.call('TIME')
+  local us = tonumber(t[2])
+  return tonumber(t[1]) * 1000 + math.floor(us / 1000), us
+end
+
+-- Lua numbers are doubles; '%d' writes millisecond times without an exponent.
+local function fmt(n)
+  return string.format('%d', n)
+end
+
+--[[
+Stream slots granted and not yet filled (hw_admit grants them, hw_publish fills them),
+kept by the second they were granted in, so that each grant lapses RESERVED_TTL_MS (and
+at most a second) after it was made. One counter, whose expiry every hw_admit renews,
+would keep a dead scheduler's grants for as long as the live ones keep asking: a node
+that died holding the whole bound would leave its pool no room at all. A publish or a
+release cannot say whose grant it fills, so it gives back the newest slots first: what
+is left is the oldest and lapses first, so a dead node's slots never outlive the TTL.
+]]
+-- {seconds, newest first}, second -> slots, their total; lapsed seconds are deleted.
+local function live_grants(key, now)
+  local flat = redis.call('HGETALL', key)
+  local oldest = math.floor((now - RESERVED_TTL_MS) / GRANT_SECOND_MS)
+  local seconds, slots, total = {}, {}, 0
+  for i = 1, #flat, 2 do
+    local second, n = tonumber(flat[i]), tonumber(flat[i + 1]) or 0
+    if not second or second < oldest or n <= 0 then
+      redis.call('HDEL', key, flat[i])
+    else
+      seconds[#seconds + 1] = second
+      slots[second] = n
+      total = total + n
+    end
+  end
+  table.sort(seconds, function(a, b) return a > b end)
+  return seconds, slots, total
+end
+
+-- Gives back n granted slots, the newest first; returns the slots still granted.
+local function give_back(key, n, now)
+  local seconds, slots, total = live_grants(key, now)
+  for _, second in ipairs(seconds) do
+    if n <= 0 then
+      break
+    end
+    local taken = math.min(n, slots[second])
+    if taken == slots[second] then
+      redis.call('HDEL', key, fmt(second))
+    else
+      redis.call('HINCRBY', key, fmt(second), -taken)
+    end
+    n, total = n - taken, total - taken
+  end
+  return total
+end
+
+-- Grants n slots in the current second; returns the slots now granted.
+local function grant(key, n, total, now)
+  if n > 0 then
+    redis.call('HINCRBY', key, fmt(math.floor(now / GRANT_SECOND_MS)), n)
+    total = total + n
+  end
+  if total > 0 then
+    redis.call('PEXPIRE', key, RESERVED_TTL_MS + GRANT_SECOND_MS)  -- the last second's end
+  end
+  return total
+end
 
 --[[
 hw_publish  KEYS[1] = P:{pool}
@@ -78,7 +152,7 @@ hw_publish  KEYS[1] = P:{pool}
             a second was a tenth of the scheduler's time in a herd; MessagePack
             because cmsgpack unpacks it in a quarter less time than cjson does JSON)
             ARGV[2] = optional: stream slots this publish fills of those hw_admit granted
-                   (given back from P:{pool}:reserved whether or not each was added)
+                   (given back to P:{pool}:grants whether or not each was added)
 Writes each execution's hot state and XADDs it to P:{pool}:ready, unless
 that attempt (or a later one) was published already: republishing is a
 no-op, so a scheduler may retry a batch safely, and a done or canceled
@@ -114,10 +188,7 @@ local function hw_publish(keys, args)
   end
   local filled = tonumber(args[2] or '0') or 0
   if filled > 0 then
-    local reserved = base .. ':reserved'
-    if redis.call('DECRBY', reserved, filled) <= 0 then
-      redis.call('DEL', reserved)
-    end
+    give_back(base .. ':grants', filled, (now_ms()))
   end
   return added
 end
@@ -165,18 +236,6 @@ local function worker_arg(fn, value)
     bad_arg(fn, 'worker_id must not be empty')
   end
   return value
-end
-
--- Server time: milliseconds, and the microseconds of the second (for jitter).
-local function now_ms()
-  local t = redis.call('TIME')
-  local us = tonumber(t[2])
-  return tonumber(t[1]) * 1000 + math.floor(us / 1000), us
-end
-
--- Lua numbers are doubles; '%d' writes millisecond times without an exponent.
-local function fmt(n)
-  return string.format('%d', n)
 end
 
 -- An attempt reached a final state: the hash shrinks to attempt and state, and expires.
@@ -559,11 +618,12 @@ hw_admit  KEYS[1] = P:{pool}
 The scheduler's fair queue asks before it dispatches: the pool's ready stream
 holds at most `cap` entries not yet delivered to a worker (the `workers`
 group's lag, which the stream itself keeps, so nothing can drift), counting
-the slots granted and not yet published (P:{pool}:reserved): several
-schedulers together keep the bound, and a dead one's grants expire after
-RESERVED_TTL_MS. The default cap is the workers' lease rate over
-READY_WINDOW_MS, within [READY_MIN, READY_MAX]: a pool whose workers are slow
-or gone holds little, and backs up only itself.
+the slots granted and not yet published (P:{pool}:grants): several
+schedulers together keep the bound, and a grant not published within
+RESERVED_TTL_MS lapses (a dead scheduler's, however often the others ask).
+The default cap is the workers' lease rate over READY_WINDOW_MS, within
+[READY_MIN, READY_MAX]: a pool whose workers are slow or gone holds little,
+and backs up only itself.
 Reply: {granted, cap, undelivered, reserved} (integers).
 ]]
 -- Entries of the pool's ready stream not yet delivered to the `workers` group.
@@ -593,13 +653,10 @@ local function hw_admit(keys, args)
   local want = int_arg('hw_admit', 'want', args[1])
   local cap = int_arg('hw_admit', 'cap', args[2] or '0')
   local release = int_arg('hw_admit', 'release', args[3] or '0')
-  local reserved_key = base .. ':reserved'
-  local reserved = tonumber(redis.call('GET', reserved_key) or '0')
-  if release > 0 then
-    reserved = math.max(0, reserved - release)
-  end
+  local grants = base .. ':grants'
+  local now = now_ms()
+  local reserved = give_back(grants, release, now)
   if cap <= 0 then
-    local now = now_ms()
     local d = redis.call('HMGET', base .. ':drain', 'since_ms', 'rate')
     local rate = tonumber(d[2]) or 0
     if not tonumber(d[1]) or now - tonumber(d[1]) >= DRAIN_STALE_MS then
@@ -609,12 +666,7 @@ local function hw_admit(keys, args)
   end
   local waiting = undelivered(base)
   local granted = math.max(0, math.min(want, cap - waiting - reserved))
-  reserved = reserved + granted
-  if reserved > 0 then
-    redis.call('SET', reserved_key, reserved, 'PX', RESERVED_TTL_MS)
-  else
-    redis.call('DEL', reserved_key)
-  end
+  reserved = grant(grants, granted, reserved, now)
   return {granted, cap, waiting, reserved}
 end
 

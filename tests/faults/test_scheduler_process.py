@@ -19,9 +19,12 @@ pytestmark = pytest.mark.slow
 STARTED = b"event=scheduler_started"
 
 
-async def start_process(db_url: str, redis_url: str, key_prefix: str):
+async def start_process(db_url: str, redis_url: str, key_prefix: str, **settings: str):
+    """`herdwick scheduler` on the test's database and prefix; `settings` are more
+    HERDWICK_* variables (ready_max="100" sets HERDWICK_READY_MAX)."""
     env = {**os.environ, "HERDWICK_DATABASE_URL": db_url, "HERDWICK_REDIS_URL": redis_url,
-           "HERDWICK_KEY_PREFIX": key_prefix}
+           "HERDWICK_KEY_PREFIX": key_prefix,
+           **{f"HERDWICK_{name.upper()}": value for name, value in settings.items()}}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "herdwick.cli", "scheduler", env=env,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
