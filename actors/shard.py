@@ -40,6 +40,10 @@ LOOKAHEAD_S = 60.0
 DEFER_POLL_S = 0.25
 MAX_DEFER_S = 4.0
 MAX_POP = 5_000  # entries per pass: bounds one hand-over
+# After a pass, the next waits this long: jobs due across a second would otherwise wake
+# every shard once per job and cross the fair queue one message each (a 300,000-job
+# second took the scheduler 4 s to hand over); a few ms of lag buys batches.
+POP_GATHER_S = 0.02
 RECENT_TTL_S = 3 * LOAD_INTERVAL_S
 _JOB_BITS = 128
 _CLASS_BITS = 32
@@ -75,16 +79,21 @@ class ShardActor(Actor):
         self._class_of: dict[tuple[str, str], int] = {}
         self._recent: dict[int, float] = {}  # popped entries -> monotonic pop time
         self._next_load_us = 0
+        self._next_pop_us = 0  # idle wakes for due entries no sooner than this
         self._load_due_since_us: int | None = None  # a load is due but deferred since then
         # Batches handed over whose work the fair queues have not settled yet.
         self._unsettled: list[Handed] = []
+        # Popped entries -> their batch, while it is unsettled: a load that cannot wait
+        # any longer (MAX_DEFER_S) skips them instead of handing a herd's backlog over
+        # again every few seconds (a tenth of the scheduler and Postgres in a long drain).
+        self._handed: dict[int, Handed] = {}
         self.notified = asyncio.Event()  # test signal: a notify was handled
 
     def idle_timeout(self) -> float | None:
         now_us = to_us(self.clock.now())
         wake_us = self._next_load_us
         if self.heap:
-            wake_us = min(wake_us, entry_due_us(self.heap[0]))
+            wake_us = min(wake_us, max(entry_due_us(self.heap[0]), self._next_pop_us))
         return min(max(0.0, (wake_us - now_us) / 1e6), LOAD_INTERVAL_S)
 
     async def on_start(self) -> None:
@@ -127,6 +136,7 @@ class ShardActor(Actor):
         """One range scan into the heap; returns how many entries it added."""
         rows = await store.load_due(self._db, self.shard_id, now + timedelta(seconds=LOOKAHEAD_S))
         self._forget_old_recent()
+        self._handed = {v: h for v, h in self._handed.items() if h.remaining > 0}
         added = 0
         bad: list[DueRow] = []
         for row in rows:
@@ -135,7 +145,7 @@ class ShardActor(Actor):
                 continue
             value = entry(to_us(row.next_run_at), row.job_id.int,
                           self._class(row.tenant_id, row.pool))
-            if value in self._recent:
+            if value in self._recent or value in self._handed:
                 continue
             if self._push(value):
                 added += 1
@@ -158,8 +168,9 @@ class ShardActor(Actor):
         heapq.heappush(self.heap, value)
         return True
 
-    def pop_due(self, now: datetime, limit: int = MAX_POP) -> dict[str, list[tuple[str, int]]]:
-        """What is due, by pool: (tenant id, fair-queue item), in due order."""
+    def pop_due(self, now: datetime,
+                limit: int = MAX_POP) -> dict[str, list[tuple[str, int, int]]]:
+        """What is due, by pool: (tenant id, fair-queue item, heap entry), in due order."""
         now_us = to_us(now)
         by_pool: dict[str, list[tuple[str, int]]] = {}
         popped = 0
@@ -170,15 +181,19 @@ class ShardActor(Actor):
             self._recent[value] = stamp
             tenant, pool = self._classes[value >> _JOB_BITS & _CLASS_MASK]
             by_pool.setdefault(pool, []).append(
-                (tenant, item(entry_due_us(value), self.shard_id, value & _JOB_MASK)))
+                (tenant, item(entry_due_us(value), self.shard_id, value & _JOB_MASK), value))
             popped += 1
         return by_pool
 
     async def dispatch_due(self, now: datetime) -> None:
         while by_pool := self.pop_due(now):
-            for pool, items in by_pool.items():
-                handed = Handed(len(items))
+            self._next_pop_us = to_us(now) + int(POP_GATHER_S * 1e6)
+            for pool, popped in by_pool.items():
+                handed = Handed(len(popped))
                 self._unsettled.append(handed)
+                for _, _, value in popped:
+                    self._handed[value] = handed
+                items = [(tenant, work) for tenant, work, _ in popped]
                 await self._hand(pool, Ready(self.shard_id, self.revision, items, handed))
 
     def _forget_old_recent(self) -> None:

@@ -63,8 +63,8 @@ local EXPIRED_ERROR = '{"type":"LeaseExpired","message":"lease expired"}'
 local PUBLISH_FIELDS = 10
 -- The ready stream's default bound: the workers' smoothed lease rate times READY_WINDOW_MS,
 -- within [READY_MIN, READY_MAX] unless the scheduler gives one (hw_admit's cap).
-local READY_WINDOW_MS = 2000
-local READY_MIN = 2000
+local READY_WINDOW_MS = 1000
+local READY_MIN = 1000
 local READY_MAX = 20000
 local RESERVED_TTL_MS = 10000
 local GRANT_SECOND_MS = 1000
