@@ -78,6 +78,12 @@ def _execution_state(event: Event) -> str | None:
     return None  # canceled: the API already wrote it
 
 
+def final(event: Event) -> bool:
+    """The attempt's last word: its execution ends here (done, dead or canceled)."""
+    return (event.type in ("completed", "canceled")
+            or (event.type in ("failed", "expired") and event.outcome == "dead"))
+
+
 def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRow]]:
     """Fold a batch, in stream order, into one update per execution and one row per attempt.
 
@@ -280,8 +286,9 @@ class ExecutionEvents(Actor):
         """
         await asyncio.gather(*(self._apply(f) for f in lanes))
         for pool in {p for p, _ in events}:
-            await self._protocol.ack_events(pool, GROUP,
-                                            [e.stream_id for p, e in events if p == pool])
+            mine = [e for p, e in events if p == pool]
+            await self._protocol.ack_events(pool, GROUP, [e.stream_id for e in mine],
+                                            [e.execution_id for e in mine if final(e)])
         self.applied += len(events)
 
 

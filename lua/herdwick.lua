@@ -48,7 +48,7 @@ the attempt started.)
   canceled   nothing more (worker_id is the holder's, '' if none)
 ]]
 
-local LIBRARY_VERSION = '11'
+local LIBRARY_VERSION = '12'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- A done, dead or canceled hash keeps only its attempt and state, for this long:
 -- a late republish of that attempt (a scheduler retrying a publish whose reply it
@@ -56,6 +56,9 @@ local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- long ago are applied) must not take it for lost. Then it goes, so what Redis holds
 -- grows with the work in flight and the last minute's, not with all of it.
 local TERMINAL_TTL_MS = 60 * 1000
+-- ...and once Postgres has the outcome (hw_settled), only this long: what could still
+-- come for that attempt is a publish retried after a lost reply, within seconds.
+local SETTLED_TTL_MS = 10 * 1000
 local SPENT_FIELDS = {'lease_owner', 'lease_until', 'job_id', 'tenant_id', 'scheduled_for',
                       'timeout_seconds', 'max_attempts', 'backoff_ms', 'leased_at', 'retry_at'}
 local RETRY_CAP_MS = 3600 * 1000
@@ -468,8 +471,9 @@ end
 hw_complete  KEYS[1] = P:{pool}
              ARGV = execution_id, attempt, worker_id, result_json (JSON text)
 Finishes the attempt: state done, lease dropped, `completed` XADDed with the
-result as given. The hash keeps attempt and state for TERMINAL_TTL_MS (60 s),
-then expires; a duplicate complete gets LEASE_LOST either way.
+result as given. The hash keeps attempt and state for TERMINAL_TTL_MS (60 s; SETTLED_TTL_MS
+once Postgres has the outcome, see hw_settled), then expires; a duplicate complete gets
+LEASE_LOST either way.
 Reply: OK | LEASE_LOST (status; same checks as hw_heartbeat).
 ]]
 -- One completion (hw_complete, hw_complete_batch): OK or LEASE_LOST.
@@ -648,6 +652,31 @@ local function undelivered(base)
   return redis.call('XLEN', base .. ':ready')  -- no group yet: nothing delivered
 end
 
+--[[
+hw_settled  KEYS[1] = P:{pool}
+            ARGV = execution ids whose outcome Postgres has committed (the event
+                   actor, after it applied their events)
+A finished hash (done, dead, canceled) then lives SETTLED_TTL_MS more instead of
+TERMINAL_TTL_MS: the sweeper no longer needs it (Postgres has the outcome, and its
+republish is guarded by Postgres's state), so Redis holds finished attempts for
+the seconds after their outcome is applied, not a minute of a drain's throughput.
+Reply: how many were shortened.
+]]
+local function hw_settled(keys, args)
+  local base = keys[1]
+  local shortened = 0
+  for i = 1, #args do
+    local hot = base .. ':x:' .. args[i]
+    local state = redis.call('HGET', hot, 'state')
+    if (state == 'done' or state == 'dead' or state == 'canceled')
+        and redis.call('PTTL', hot) > SETTLED_TTL_MS then
+      redis.call('PEXPIRE', hot, SETTLED_TTL_MS)
+      shortened = shortened + 1
+    end
+  end
+  return shortened
+end
+
 local function hw_admit(keys, args)
   local base = keys[1]
   local want = int_arg('hw_admit', 'want', args[1])
@@ -724,6 +753,7 @@ end
 
 redis.register_function('hw_publish', hw_publish)
 redis.register_function{function_name = 'hw_admit', callback = hw_admit}
+redis.register_function{function_name = 'hw_settled', callback = hw_settled}
 redis.register_function{function_name = 'hw_take', callback = hw_take}
 redis.register_function{function_name = 'hw_put', callback = hw_put}
 redis.register_function{function_name = 'hw_version', callback = hw_version,

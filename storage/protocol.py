@@ -26,6 +26,7 @@ from herdwick.storage import keys
 LEASE_LOST = "LEASE_LOST"
 DEAD: Literal["DEAD"] = "DEAD"
 OK = "OK"
+SETTLED_CHUNK = 1_000  # execution ids per hw_settled call
 
 
 class UnexpectedReply(HerdwickError):
@@ -256,8 +257,10 @@ class Protocol:
                 return []
         return [e for stream_id, fields in reply[1] if fields for e in _events(stream_id, fields)]
 
-    async def ack_events(self, pool: str, group: str, ids: Sequence[str]) -> int:
-        """XACK after the events are committed, then XDEL them, in one round trip.
+    async def ack_events(self, pool: str, group: str, ids: Sequence[str],
+                         settled: Sequence[str] = ()) -> int:
+        """XACK after the events are committed, then XDEL them, in one round trip; with
+        `settled`, the execution ids whose final outcome was among them (hw_settled).
 
         One group reads the events stream, so an acked entry is needed by no
         one: deleting it keeps the stream's length bounded by what is unapplied.
@@ -271,7 +274,10 @@ class Protocol:
             pipe = self.client.pipeline(transaction=False)
             pipe.xack(stream, group, *ids)
             pipe.xdel(stream, *ids)
-            acked, _ = await pipe.execute()
+            base = keys.pool_base(self.prefix, pool)
+            for start in range(0, len(settled), SETTLED_CHUNK):
+                pipe.fcall("hw_settled", 1, base, *settled[start:start + SETTLED_CHUNK])
+            acked, *_ = await pipe.execute()
         return acked
 
     async def trim_ready(self, pool: str, group: str = keys.WORKERS_GROUP) -> int:

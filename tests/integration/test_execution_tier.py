@@ -207,9 +207,13 @@ async def test_a_permanent_failure_dead_letters_at_once(api, schedulers, protoco
     await due_and_published(node, clock)
     eid = (await latest(redis_client, key_prefix))["execution_id"]
     await protocol.lease(POOL, "w", 30, eid, 1)
+    hot = keys.hot_state(key_prefix, POOL, eid)
     assert await protocol.fail(POOL, eid, 1, "w", '{"message": "bad input"}', False) == "DEAD"
+    assert await redis_client.pttl(hot) > 10_000  # Postgres has not got it yet: a minute
     await node.settle_events()
     assert (await execution(api, eid))["state"] == "dead"
+    # Once Postgres has the outcome, Redis keeps the finished attempt only seconds.
+    assert 0 < await redis_client.pttl(hot) <= 10_000
 
 
 async def test_replaying_a_batch_of_events_changes_nothing(api, schedulers, protocol,

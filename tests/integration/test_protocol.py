@@ -408,3 +408,26 @@ async def test_a_worker_needs_only_plain_redis_commands(plain_client, publish, p
     [_, completed] = await events(proto)
     assert (completed.type, completed.execution_id, completed.worker_id, completed.result) == \
         ("completed", execution.execution_id, "raw-1", '{"doubled": 42}')
+
+
+async def test_a_settled_outcome_leaves_redis_in_seconds_and_a_live_attempt_stays(
+        proto, publish, redis_client, key_prefix) -> None:
+    done, live = await publish(), await publish()
+    for execution in (done, live):
+        await proto.lease(POOL, "worker-a", 30, execution.execution_id, 1)
+    assert await proto.complete(POOL, done.execution_id, 1, "worker-a", "{}") is True
+    done_key = keys.hot_state(key_prefix, POOL, done.execution_id)
+    live_key = keys.hot_state(key_prefix, POOL, live.execution_id)
+    assert 10_000 < await redis_client.pttl(done_key) <= 60_000  # Postgres has not applied it
+    await proto.ensure_events_group(POOL, GROUP)
+    got = await proto.read_events(POOL, GROUP, "reader", 1000, None)
+    # As the event actor acks: the done one is final, the live one is named too and
+    # must be left alone (only a finished hash is shortened).
+    await proto.ack_events(POOL, GROUP, [e.stream_id for e in got],
+                           [done.execution_id, live.execution_id])
+    assert 0 < await redis_client.pttl(done_key) <= 10_000
+    assert await redis_client.pttl(live_key) > 60_000
+    assert (await hot_state(redis_client, key_prefix, done.execution_id))["state"] == "done"
+    # A late republish of the finished attempt, within those seconds, is still a no-op.
+    hot = HotTier(redis_client, key_prefix)
+    assert await hot.publish({POOL: [done]}) == 0
