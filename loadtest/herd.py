@@ -445,7 +445,14 @@ async def command(args: argparse.Namespace) -> int:
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    report = await run(options_from(args), Progress(sys.stderr))
+    progress = Progress(sys.stderr)
+    options = options_from(args)
+    try:
+        report = await run(options, progress)
+    except TimeoutError:
+        # The hard bound: a stage that should have given up at --timeout did not.
+        raise RunFailed(f"gave up {options.plan.timeout_s + CLEANUP_GRACE_S:g} s in, in "
+                        f"stage {progress.phase!r} ({progress.detail()})") from None
     sys.stdout.write(render_json(report) if args.json else render_text(report))
     sys.stdout.flush()
     return 0 if report.complete else 1
