@@ -113,13 +113,16 @@ class Scheduler:
                                   cancel=self._cancel_execution, db_now=self._db_now)
             self.dispatchers.append(actor)
             await self._core.start(f"dispatch-{i}", lambda a=actor: a, restart=True)
+        # The sweeper's first pass (everything, on a prefix Redis has no epoch for) must be
+        # over before any shard dispatches: it would take this node's own fresh
+        # executions, committed and not yet published, for lost ones.
+        await self._start_execution_tier(client)
         self.coordinator = Coordinator(self.node_id, db=self.db, clock=self.clock,
                                        shards=self._shards, make_shard=self._make_shard,
                                        db_now=self._db_now, released=self._released)
         await self._core.start("coordinator", lambda: self.coordinator)
         self.maintenance = Maintenance(db=self.db, clock=self.clock)
         await self._core.start("maintenance", lambda: self.maintenance)
-        await self._start_execution_tier(client)
         if self._tick:
             # By name, looked up at each tick: a crashed execution-tier actor is replaced.
             for interval_s, name in ((RENEW_INTERVAL_S, "coordinator"),
