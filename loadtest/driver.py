@@ -40,6 +40,7 @@ API_START_TIMEOUT_S = 30.0
 API_STOP_TIMEOUT_S = 10.0
 SETTLE_POLL_S = 0.2
 DELETE_BATCH = 5_000
+REDIS_TIMEOUT_S = 30.0
 # The herd's consumers lease nothing, so a bound on the ready streams would measure
 # the bound, not dispatch: unbounded unless a run asks for one ("auto": from the lease rate).
 UNBOUNDED_READY = "100000000"
@@ -118,7 +119,9 @@ async def scratch_prefix(redis_url: str, kind: str) -> AsyncIterator[tuple[aiore
     """A client and a key prefix of this run's own (e.g. hwherd1a2b3c4d); its keys are
     deleted afterwards."""
     prefix = f"hw{kind}{secrets.token_hex(4)}"
-    client = aioredis.from_url(redis_url)
+    # A reply that never comes fails the run instead of hanging it (blocking reads wait
+    # at most consumers.CONSUMER_BLOCK_MS).
+    client = aioredis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S)
     try:
         yield client, prefix
     finally:
@@ -205,7 +208,7 @@ class Child:
                 await asyncio.wait_for(self.proc.wait(), self.stop_timeout_s)
             except TimeoutError:
                 self.proc.kill()
-                await self.proc.wait()
+                await asyncio.wait_for(self.proc.wait(), self.stop_timeout_s)
             await asyncio.wait_for(self.drain, self.stop_timeout_s)
         except BaseException:
             # Cancelled while stopping (a second Ctrl-C): never leave the child behind.

@@ -205,6 +205,7 @@ async def herd_stage(options: Options, progress: Progress, deadline: float,
                               sampler=StreamSampler(client, prefix, pools),
                               progress=progress, deadline=deadline)
                 times, profiles = await _load(stack, options.py_spy_dir)
+                progress.set("stopping the schedulers")
                 return times, stack, profiles
         finally:
             await db.close()
@@ -221,7 +222,9 @@ async def _load(s: Stack, py_spy_dir: str | None) -> tuple[HerdTimes, list[str]]
         parked, insert_s = await _insert_parked(s)
         async with py_spy(s.procs, py_spy_dir) as profiles:
             times = await _dispatch_phase(s, parked, insert_s, idle, baseline)
+        s.progress.set("reading for duplicates")
         await asyncio.sleep(DUPLICATE_GRACE_S)
+        s.progress.set("stopping the consumers")
     return times, profiles
 
 
@@ -282,6 +285,7 @@ async def _dispatch_phase(s: Stack, parked: datetime | None, insert_s: float,
             if generator is not None:
                 generator.cancel()
                 await asyncio.gather(generator, return_exceptions=True)
+    s.progress.set("last sample")
     await s.sampler.sample()
     return HerdTimes(due_at=due_at, insert_s=insert_s, move_s=move_s, lead_s=lead_s,
                      idle=idle, window=(start, end),
