@@ -21,6 +21,7 @@ from herdwick.storage.jobs import NewJob
 
 CONSUMER_COUNT = 1_000
 CONSUMER_BLOCK_MS = 100
+STOP_S = 35.0  # past the client's socket timeout
 HERD, BACKGROUND = 0, 1  # the kinds of job a Watch tells apart
 
 
@@ -95,11 +96,12 @@ class Watch:
                            wrong_tenant=self.wrong_tenant[kind])
 
 
-async def consume(client: aioredis.Redis, prefix: str, pool: str, watch: Watch) -> None:
-    """A no-op worker: XREADGROUP on `workers`, note each entry, XACK. Cancelled to stop."""
+async def consume(client: aioredis.Redis, prefix: str, pool: str, watch: Watch,
+                  stop: asyncio.Event) -> None:
+    """A no-op worker: XREADGROUP on `workers`, note each entry, XACK, until `stop`."""
     stream = keys.ready_stream(prefix, pool)
     consumer = f"loadtest-{secrets.token_hex(3)}"
-    while True:
+    while not stop.is_set():
         reply = await client.xreadgroup(keys.WORKERS_GROUP, consumer, {stream: ">"},
                                         count=CONSUMER_COUNT, block=CONSUMER_BLOCK_MS)
         for _, entries in reply or ():
@@ -118,13 +120,17 @@ async def consumers(client: aioredis.Redis, prefix: str, pools: list[str],
     hot = HotTier(client, prefix)
     for pool in pools:  # the group must exist before the first XREADGROUP
         await hot.ensure_group(pool)
-    tasks = [asyncio.create_task(consume(client, prefix, pool, watch)) for pool in pools]
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(consume(client, prefix, pool, watch, stop)) for pool in pools]
     try:
         yield
         for task in tasks:
             if task.done():  # a consumer that failed must not pass for an empty stream
                 task.result()
     finally:
-        for task in tasks:
+        # Stopped between reads (each blocks CONSUMER_BLOCK_MS), not cancelled inside a
+        # Redis call: see measure.StreamSampler.sampling.
+        stop.set()
+        _, pending = await asyncio.wait(tasks, timeout=STOP_S)
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

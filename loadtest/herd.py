@@ -268,7 +268,7 @@ async def _dispatch_phase(s: Stack, parked: datetime | None, insert_s: float,
         await background.run()
         w.close(BACKGROUND)
 
-    async with running(s.sampler.run(), "the streams sampler") as sampler:
+    async with s.sampler.sampling() as sampler:
         if p.rate > 0:
             generator = asyncio.create_task(generate(), name="the background generator")
         else:

@@ -239,6 +239,9 @@ async def py_spy(procs: list[Child], out_dir: str | None) -> AsyncIterator[list[
 # --- Redis over a run: the streams and the server's memory ---------------------------------
 
 
+STREAM_STOP_S = 35.0  # past the client's socket timeout: a sample in flight ends first
+
+
 class StreamSamples(msgspec.Struct, frozen=True, kw_only=True):
     """Every STREAM_SAMPLE_S from the start of the load, and once more at its end; each
     figure is the sum over the run's pools.
@@ -285,15 +288,33 @@ class StreamSampler:
         self.used_memory: list[int] = []
         self.baseline_memory: int | None = None
         self.commands = 0
+        self._stop = asyncio.Event()
 
     async def baseline(self) -> None:
         """used_memory before the load."""
         self.baseline_memory = await self._used_memory()
 
     async def run(self) -> None:
-        while True:
+        """Samples until stopped; `sampling` stops it between samples."""
+        while not self._stop.is_set():
             await self.sample()
-            await asyncio.sleep(STREAM_SAMPLE_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), STREAM_SAMPLE_S)
+
+    @contextlib.asynccontextmanager
+    async def sampling(self) -> AsyncIterator[asyncio.Task]:
+        """`run` for the body's duration, stopped between two samples rather than
+        cancelled inside a Redis call: a redis-py call cancelled mid-reply on uvloop
+        was seen to never return, hanging the run (loadtest herd, once in a few runs)."""
+        self._stop.clear()
+        task = asyncio.create_task(self.run(), name="the streams sampler")
+        try:
+            yield task
+        finally:
+            self._stop.set()
+            done, _ = await asyncio.wait({task}, timeout=STREAM_STOP_S)
+            if not done:
+                task.cancel()  # not awaited: that is what could hang
 
     async def sample(self) -> None:
         self.events_len.append(sum([await self._xlen(s) for s in self._events]))

@@ -284,7 +284,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         progress.set("drain", outcomes.detail)
         async with contextlib.AsyncExitStack() as stack:
             helpers = [await stack.enter_async_context(
-                running(sampler.run(), "the streams sampler"))]
+                sampler.sampling())]
             generator = None
             if plan.rate > 0:
                 generator = await stack.enter_async_context(
