@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import functools
 import os
 import signal
 import sys
@@ -32,7 +30,6 @@ from msgspec import Meta
 from herdwick.config import ConfigError
 from herdwick.loadtest.background import Background
 from herdwick.loadtest.driver import (
-    check_alive,
     leases_settled,
     require_loopback,
     running,
@@ -62,7 +59,7 @@ from herdwick.loadtest.measure import (
     StreamSamples,
     lease_lags_by_kind,
 )
-from herdwick.loadtest.outcomes import History, Outcomes, history_of, until_done, uuid7_floor
+from herdwick.loadtest.outcomes import History, Outcomes, drain, history_of, uuid7_floor
 from herdwick.loadtest.report import Progress, memory_line
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
@@ -231,17 +228,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
                                 HotTier(client, prefix), tenants, factory)
         outcomes = Outcomes(db, plan.jobs, steady_from)
         progress.set("e2e", outcomes.detail)
-        async with contextlib.AsyncExitStack() as stack:
-            helpers = [await stack.enter_async_context(
-                sampler.sampling())]
-            generator = None
-            if plan.rate > 0:
-                generator = await stack.enter_async_context(
-                    running(background.run(), "the steady generator"))
-                helpers.append(generator)
-            await until_done(outcomes, sampler, background, generator,
-                              functools.partial(check_alive, [*procs, *workers], helpers),
-                              deadline)
+        await drain(outcomes, sampler, background, plan.rate, [*procs, *workers], deadline)
         await sampler.sample()  # the last one when all have succeeded: what is left behind
         spent = (await server_counts(db, client)).minus(before)
         lags = await lease_lags_by_kind(db, steady_from)

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import functools
 import os
 import signal
 import sys
@@ -35,7 +33,6 @@ from msgspec import Meta
 from herdwick.config import ConfigError
 from herdwick.loadtest.background import Background
 from herdwick.loadtest.driver import (
-    check_alive,
     leases_settled,
     require_loopback,
     running,
@@ -65,7 +62,7 @@ from herdwick.loadtest.measure import (
     lease_lag_of,
     lease_lags_by_tenant,
 )
-from herdwick.loadtest.outcomes import History, Outcomes, history_of, until_done, uuid7_floor
+from herdwick.loadtest.outcomes import History, Outcomes, drain, history_of, uuid7_floor
 from herdwick.loadtest.report import Progress, memory_line, render_json
 from herdwick.model import TenantSpec
 from herdwick.storage.db import Database
@@ -282,17 +279,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
                                 steady_tenants, factory)
         outcomes = Outcomes(db, herd_jobs, steady_from)
         progress.set("drain", outcomes.detail)
-        async with contextlib.AsyncExitStack() as stack:
-            helpers = [await stack.enter_async_context(
-                sampler.sampling())]
-            generator = None
-            if plan.rate > 0:
-                generator = await stack.enter_async_context(
-                    running(background.run(), "the steady generator"))
-                helpers.append(generator)
-            await until_done(outcomes, sampler, background, generator,
-                             functools.partial(check_alive, [*procs, *workers], helpers),
-                             deadline)
+        await drain(outcomes, sampler, background, plan.rate, [*procs, *workers], deadline)
         await sampler.sample()
     by_tenant = await lease_lags_by_tenant(db)
     quiet_leases = [by_tenant.get(t.tenant_id) for t in quiet]

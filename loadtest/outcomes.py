@@ -6,6 +6,8 @@ Shared by the scenarios that run jobs through real workers (e2e, noisy-neighbour
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -14,7 +16,7 @@ from datetime import datetime
 import msgspec
 
 from herdwick.loadtest.background import Background
-from herdwick.loadtest.driver import RunFailed
+from herdwick.loadtest.driver import Child, RunFailed, check_alive, running
 from herdwick.loadtest.measure import StreamSampler
 from herdwick.storage.db import Database
 
@@ -114,3 +116,18 @@ async def until_done(outcomes: Outcomes, sampler: StreamSampler, background: Bac
         if time.perf_counter() > deadline:
             raise RunFailed(f"not all succeeded before the timeout: {outcomes.detail()}")
         await asyncio.sleep(POLL_S)
+
+
+async def drain(outcomes: Outcomes, sampler: StreamSampler, background: Background,
+                rate: float, procs: list[Child], deadline: float) -> None:
+    """The stream sampler, and the steady generator when `rate` > 0, until every job has
+    succeeded (until_done); a dead child or a failed helper fails it at once."""
+    async with contextlib.AsyncExitStack() as stack:
+        helpers = [await stack.enter_async_context(sampler.sampling())]
+        generator = None
+        if rate > 0:
+            generator = await stack.enter_async_context(
+                running(background.run(), "the steady generator"))
+            helpers.append(generator)
+        await until_done(outcomes, sampler, background, generator,
+                         functools.partial(check_alive, procs, helpers), deadline)
