@@ -126,8 +126,9 @@ def ready_executions(result: store.Dispatched) -> dict[str, Publish]:
         items.append(ReadyExecution(
             execution_id=str(q.execution_id), attempt=q.attempt, job_id=str(q.job_id),
             tenant_id=str(job.tenant_id), scheduled_for=sched.format_utc(q.scheduled_for),
-            payload=job.payload, timeout_seconds=job.timeout_s, max_attempts=job.max_attempts,
-            backoff_ms=round(job.backoff_s * 1000)))
+            payload=job.payload, timeout_seconds=job.timeout_s,
+            max_attempts=job.max_attempts + q.deferrals, backoff_ms=round(job.backoff_s * 1000),
+            target=job.target))
         scheduled.append(to_us(q.scheduled_for))
     return {pool: Publish(items, scheduled) for pool, (items, scheduled) in by_pool.items()}
 

@@ -110,7 +110,8 @@ def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRo
         if current is None or current.attempt < event.attempt:
             current = updates[event.execution_id] = ExecutionUpdate(
                 execution_id=event.execution_id, scheduled_for=scheduled_for,
-                attempt=event.attempt, state=state, job_id=event.job_id)
+                attempt=event.attempt, state=state, job_id=event.job_id,
+                deferrals=current.deferrals if current is not None else 0)
         _fold_update(current, event, state, error)
     return list(updates.values()), list(attempts.values())
 
@@ -121,6 +122,10 @@ def _fold_update(update: ExecutionUpdate, event: Event, state: str, error: str |
         update.lease_owner = event.worker_id
         update.lease_until_ms = event.lease_until_ms
         update.started_ms = update.started_ms or event.at_ms
+    elif event.deferred:  # put off, never tried: no start, and one more attempt allowed
+        update.deferrals += 1
+        update.error = error
+        update.retry_at = _at(event.retry_at_ms)
     else:
         # An outcome says when its attempt started: its `leased` event may be applied
         # later, or by another node, and an execution must not end without a start.
@@ -141,7 +146,7 @@ def _fold_attempt(rows: dict, event: Event, scheduled_for: datetime,
         row = rows[key] = AttemptRow(execution_id=event.execution_id, attempt=event.attempt,
                                      scheduled_for=scheduled_for)
     row.worker_id = row.worker_id or event.worker_id or None
-    row.outcome = _OUTCOME_OF.get(event.type, row.outcome)
+    row.outcome = "deferred" if event.deferred else _OUTCOME_OF.get(event.type, row.outcome)
     if event.type == "leased":
         row.started_ms = row.started_ms or event.at_ms
     else:

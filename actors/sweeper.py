@@ -138,4 +138,4 @@ def _ready(row: store.Unfinished, attempt: int) -> ReadyExecution:
         execution_id=str(row.execution_id), attempt=attempt, job_id=str(row.job_id),
         tenant_id=str(row.tenant_id), scheduled_for=sched.format_utc(row.scheduled_for),
         payload=row.payload, timeout_seconds=row.timeout_s, max_attempts=row.max_attempts,
-        backoff_ms=round(row.backoff_s * 1000))
+        backoff_ms=round(row.backoff_s * 1000), target=row.target)

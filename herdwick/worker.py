@@ -6,6 +6,8 @@
     async def send(ctx: herdwick.Context) -> dict:
         ...                      # ctx.payload, ctx.attempt, ctx.idempotency_key, ...
         return {"sent": True}    # return = complete; raise = fail; raise Permanent = dead
+                                 # raise RetryAfter(60) = fail, next attempt in >= 60 s
+                                 # raise Defer(30) = put off 30 s, not counted as an attempt
 
     await worker.run()           # until worker.stop(), or the `stop` event given to run()
 
@@ -67,6 +69,31 @@ _encode = msgspec.json.Encoder().encode
 
 class Permanent(Exception):
     """Raise from a handler to fail the attempt without retry: it dead-letters at once."""
+
+
+class RetryAfter(Exception):
+    """Raise from a handler to fail the attempt and retry no sooner than `seconds` from now.
+
+    The job's backoff still applies when it is longer (a downstream's Retry-After,
+    say); the attempt counts against maxAttempts like any failure.
+    """
+
+    def __init__(self, seconds: float, message: str = "") -> None:
+        super().__init__(message or f"retry after {seconds:g} s")
+        self.seconds = max(0.0, float(seconds))
+
+
+class Defer(Exception):
+    """Raise from a handler to put the attempt off for `seconds` without counting it.
+
+    For work that was not tried at all (its downstream is known to be down): the
+    execution waits in retry_wait and comes back as a new attempt, which does not
+    use up one of maxAttempts. The message is recorded as the execution's error.
+    """
+
+    def __init__(self, seconds: float, message: str = "") -> None:
+        super().__init__(message or f"deferred for {seconds:g} s")
+        self.seconds = max(0.0, float(seconds))
 
 
 class LeaseLost(Exception):
@@ -238,9 +265,13 @@ class _Calls:
                 return self.pipeline.submit_item(
                     ("FCALL", "hw_complete_batch", 1, self.base, self.worker_id),
                     execution_id, attempt, result_json)
-            case _Failed(error_json, retryable):
+            case _Failed(error_json, retryable, 0, False):
                 return self.pipeline.submit("FCALL", "hw_fail", 1, self.base, execution_id,
                                             attempt, self.worker_id, error_json, int(retryable))
+            case _Failed(error_json, retryable, min_delay_ms, deferred):
+                return self.pipeline.submit("FCALL", "hw_fail", 1, self.base, execution_id,
+                                            attempt, self.worker_id, error_json, int(retryable),
+                                            min_delay_ms, int(deferred))
 
 
 def _until(reply: Any) -> int | None:
@@ -256,6 +287,8 @@ def _said(outcome: _Completed | _Failed, reply: Any) -> str:
         return "lease_lost"
     if isinstance(outcome, _Completed):
         return "completed"
+    if outcome.deferred:
+        return "deferred"
     return "dead" if status == "DEAD" else "retry"
 
 
@@ -357,6 +390,8 @@ class Context:
     idempotency_key: str  # job_id + ":" + scheduled_for: the same on every attempt
     scheduled_for: datetime  # aware, UTC
     timeout_s: float  # the handler is cancelled and failed past this
+    payload_json: str = ""  # the payload as its JSON text, as stored
+    target: str = ""  # an http job's URL (the http pool's entries carry it); else ""
     _lease: _Lease = field(repr=False)
 
     async def heartbeat(self) -> None:
@@ -370,7 +405,8 @@ class Context:
                    execution_id=message.execution_id, job_id=f["job_id"],
                    tenant_id=f["tenant_id"], idempotency_key=f["idempotency_key"],
                    scheduled_for=datetime.fromisoformat(f["scheduled_for"]),
-                   timeout_s=float(f["timeout_seconds"]), _lease=lease)
+                   timeout_s=float(f["timeout_seconds"]), payload_json=f["payload"],
+                   target=f.get("target", ""), _lease=lease)
 
 
 class _Completed(msgspec.Struct, frozen=True):
@@ -380,11 +416,13 @@ class _Completed(msgspec.Struct, frozen=True):
 class _Failed(msgspec.Struct, frozen=True):
     error_json: bytes
     retryable: bool
+    min_delay_ms: int = 0  # RetryAfter: the least wait before the next attempt
+    deferred: bool = False  # Defer: put off for exactly min_delay_ms, not counted
 
 
-def _error(kind: str, message: str) -> bytes:
+def _error(kind: str, message: str, details: dict | None = None) -> bytes:
     data = message.encode()[:ERROR_MESSAGE_MAX_BYTES].decode(errors="ignore")
-    return _encode({"type": kind, "message": data})
+    return _encode({"type": kind, "message": data, **(details or {})})
 
 
 def _outcome_of(work: asyncio.Task) -> _Completed | _Failed:
@@ -396,7 +434,15 @@ def _outcome_of(work: asyncio.Task) -> _Completed | _Failed:
         except (TypeError, msgspec.EncodeError) as bad:
             # A deterministic bug, and the handler's side effects already ran: no retry.
             return _Failed(_error("ResultNotSerializable", str(bad)), retryable=False)
-    return _Failed(_error(type(exc).__name__, str(exc)), retryable=not isinstance(exc, Permanent))
+    # An exception's `error_details` (a dict: an HTTP status, say) goes into the error.
+    details = getattr(exc, "error_details", None)
+    error = _error(type(exc).__name__, str(exc), details if isinstance(details, dict) else None)
+    if isinstance(exc, Defer):
+        return _Failed(error, retryable=True, min_delay_ms=round(exc.seconds * 1000),
+                       deferred=True)
+    if isinstance(exc, RetryAfter):
+        return _Failed(error, retryable=True, min_delay_ms=round(exc.seconds * 1000))
+    return _Failed(error, retryable=not isinstance(exc, Permanent))
 
 
 class _Execution:

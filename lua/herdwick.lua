@@ -45,10 +45,12 @@ outcome read before its `leased` event, by another consumer, still says when
 the attempt started.)
   expired    as failed; error {"type":"LeaseExpired","message":"lease expired"}, retryable '1',
              worker_id the owner whose lease lapsed
+  (a failed event with deferred '1', from library version 13, is an attempt put off
+  without counting against max_attempts: hw_fail's defer flag)
   canceled   nothing more (worker_id is the holder's, '' if none)
 ]]
 
-local LIBRARY_VERSION = '12'
+local LIBRARY_VERSION = '13'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- A done, dead or canceled hash keeps only its attempt and state, for this long:
 -- a late republish of that attempt (a scheduler retrying a publish whose reply it
@@ -63,7 +65,7 @@ local SPENT_FIELDS = {'lease_owner', 'lease_until', 'job_id', 'tenant_id', 'sche
                       'timeout_seconds', 'max_attempts', 'backoff_ms', 'leased_at', 'retry_at'}
 local RETRY_CAP_MS = 3600 * 1000
 local EXPIRED_ERROR = '{"type":"LeaseExpired","message":"lease expired"}'
-local PUBLISH_FIELDS = 10
+local PUBLISH_FIELDS = 10  -- and an optional 11th, the http target's URL
 -- The ready stream's default bound: the workers' smoothed lease rate times READY_WINDOW_MS,
 -- within [READY_MIN, READY_MAX] unless the scheduler gives one (hw_admit's cap).
 local READY_WINDOW_MS = 1000
@@ -146,11 +148,13 @@ end
 
 --[[
 hw_publish  KEYS[1] = P:{pool}
-            ARGV[1] = a MessagePack array with one array of 10 strings per execution:
+            ARGV[1] = a MessagePack array with one array of 10 or 11 strings per execution:
                    execution_id, attempt (decimal, from 1), job_id, tenant_id,
                    scheduled_for (RFC 3339 UTC), payload (JSON text),
                    timeout_seconds, idempotency_key, max_attempts, backoff_ms
-                   (the last two stay in hot state, for hw_fail; not on the stream)
+                   (the last two stay in hot state, for hw_fail; not on the stream),
+                   and optionally target (an http job's URL: the stream field `target`
+                   when not empty)
             (one argument rather than 10 per execution: packing thousands of arguments
             a second was a tenth of the scheduler's time in a herd; MessagePack
             because cmsgpack unpacks it in a quarter less time than cjson does JSON)
@@ -171,8 +175,8 @@ local function hw_publish(keys, args)
     return redis.error_reply('ERR hw_publish takes one MessagePack array of executions')
   end
   for _, x in ipairs(items) do
-    if type(x) ~= 'table' or #x ~= PUBLISH_FIELDS then
-      return redis.error_reply('ERR hw_publish: each execution is an array of 10 strings')
+    if type(x) ~= 'table' or (#x ~= PUBLISH_FIELDS and #x ~= PUBLISH_FIELDS + 1) then
+      return redis.error_reply('ERR hw_publish: each execution is an array of 10 or 11 strings')
     end
     local execution_id, attempt = x[1], x[2]
     local hot = base .. ':x:' .. execution_id
@@ -182,10 +186,17 @@ local function hw_publish(keys, args)
                  'tenant_id', x[4], 'scheduled_for', x[5], 'timeout_seconds', x[7],
                  'max_attempts', x[9], 'backoff_ms', x[10])
       redis.call('PEXPIRE', hot, HOT_TTL_MS)
-      redis.call('XADD', ready, '*',
-                 'execution_id', execution_id, 'job_id', x[3], 'tenant_id', x[4],
-                 'attempt', attempt, 'scheduled_for', x[5], 'payload', x[6],
-                 'timeout_seconds', x[7], 'idempotency_key', x[8])
+      if x[11] and x[11] ~= '' then
+        redis.call('XADD', ready, '*',
+                   'execution_id', execution_id, 'job_id', x[3], 'tenant_id', x[4],
+                   'attempt', attempt, 'scheduled_for', x[5], 'payload', x[6],
+                   'timeout_seconds', x[7], 'idempotency_key', x[8], 'target', x[11])
+      else
+        redis.call('XADD', ready, '*',
+                   'execution_id', execution_id, 'job_id', x[3], 'tenant_id', x[4],
+                   'attempt', attempt, 'scheduled_for', x[5], 'payload', x[6],
+                   'timeout_seconds', x[7], 'idempotency_key', x[8])
+      end
       added = added + 1
     end
   end
@@ -320,21 +331,34 @@ local function retry_delay_ms(backoff_ms, attempt, execution_id, us)
 end
 
 -- A failed attempt (hw_fail, or hw_expire for a lapsed lease): retry_wait with
--- a retry time, or dead. Returns retry_at_ms or DEAD.
+-- a retry time, or dead. Returns retry_at_ms or DEAD. min_delay_ms (a target's
+-- Retry-After) is the least delay before the next attempt. A deferred attempt
+-- (a worker putting it off: a circuit breaker open) waits exactly min_delay_ms and
+-- does not count against max_attempts, which grows by one with it.
 local function settle_failure(base, kind, execution_id, h, worker_id, error_json, retryable,
-                              now, us)
+                              now, us, min_delay_ms, deferred)
   local hot = base .. ':x:' .. execution_id
   local attempt = tonumber(h.attempt)
   local max_attempts = tonumber(h.max_attempts) or 1
   local extra = {'error', error_json, 'retryable', retryable and '1' or '0'}
   local reply
-  if not retryable or attempt >= max_attempts then
+  if deferred then
+    local retry_at = now + math.min(min_delay_ms or 0, RETRY_CAP_MS * 24)
+    redis.call('HSET', hot, 'state', 'retry_wait', 'retry_at', fmt(retry_at),
+               'max_attempts', fmt(max_attempts + 1))
+    extra[#extra + 1], extra[#extra + 2] = 'outcome', 'retry'
+    extra[#extra + 1], extra[#extra + 2] = 'retry_at_ms', fmt(retry_at)
+    extra[#extra + 1], extra[#extra + 2] = 'deferred', '1'
+    reply = retry_at
+  elseif not retryable or attempt >= max_attempts then
     finish(hot, 'dead')
     extra[#extra + 1], extra[#extra + 2] = 'outcome', 'dead'
     reply = DEAD
   else
     local backoff_ms = tonumber(h.backoff_ms) or 0
-    local retry_at = now + retry_delay_ms(backoff_ms, attempt, execution_id, us)
+    local delay = math.max(retry_delay_ms(backoff_ms, attempt, execution_id, us),
+                           math.min(min_delay_ms or 0, RETRY_CAP_MS * 24))
+    local retry_at = now + delay
     redis.call('HSET', hot, 'state', 'retry_wait', 'retry_at', fmt(retry_at))
     extra[#extra + 1], extra[#extra + 2] = 'outcome', 'retry'
     extra[#extra + 1], extra[#extra + 2] = 'retry_at_ms', fmt(retry_at)
@@ -521,11 +545,14 @@ end
 --[[
 hw_fail  KEYS[1] = P:{pool}
          ARGV = execution_id, attempt, worker_id, error_json (JSON text),
-                retryable ('1' | '0')
+                retryable ('1' | '0'), optionally min_delay_ms (the least delay
+                before the next attempt: a Retry-After; '0' none) and defer ('1': put
+                the attempt off for exactly min_delay_ms without counting it)
 Ends the attempt as failed. Dead when retryable is '0' or attempt >=
 max_attempts; otherwise retry_wait until now + delay, the delay uniform in
-[d/2, d] ms, d = backoff_ms * 2^(attempt-1) capped at 1 h. XADDs `failed`
-with the outcome; the scheduler republishes attempt + 1 at retry_at_ms.
+[d/2, d] ms, d = backoff_ms * 2^(attempt-1) capped at 1 h, and at least
+min_delay_ms (capped at a day). XADDs `failed` with the outcome; the scheduler
+republishes attempt + 1 at retry_at_ms. A deferred attempt is never dead.
 Reply: retry_at_ms (integer) | DEAD | LEASE_LOST (status; same checks as
 hw_heartbeat).
 ]]
@@ -538,13 +565,18 @@ local function hw_fail(keys, args)
   if args[5] ~= '0' and args[5] ~= '1' then
     bad_arg('hw_fail', "retryable must be '0' or '1'")
   end
+  local min_delay_ms = int_arg('hw_fail', 'min_delay_ms', args[6] or '0')
+  if min_delay_ms < 0 then
+    bad_arg('hw_fail', 'min_delay_ms must be >= 0')
+  end
+  local deferred = args[7] == '1'
   local h = load_hot(base .. ':x:' .. execution_id)
   local now, us = now_ms()
   if not holds(h, attempt, worker_id, now) then
     return LEASE_LOST
   end
-  return settle_failure(base, 'failed', execution_id, h, worker_id, error_json, args[5] == '1',
-                        now, us)
+  return settle_failure(base, 'failed', execution_id, h, worker_id, error_json,
+                        args[5] == '1' or deferred, now, us, min_delay_ms, deferred)
 end
 
 --[[
@@ -751,6 +783,106 @@ local function hw_put(keys, args)
   return n
 end
 
+--[[
+Circuit breakers of HTTP targets, shared by every http worker. A target is
+`scheme://host:port`; its breaker is the hash base..':cb:'..target (base =
+P:{http}): state (closed | open | half), win (the window's start, ms), ok and
+fail (outcomes counted in that window), opens (failed probes in a row),
+open_until and probe_until (ms). A closed breaker with no failure keeps no key.
+
+hw_breaker_check  KEYS[1] = P:{http}
+                  ARGV = probe_ms (how long one probe may take), target, target...
+May a delivery go to each target now? Per target: 0 (closed: go), -1 (go, as
+the half-open breaker's one probe), or the ms to wait (open, or a probe is out).
+]]
+local function hw_breaker_check(keys, args)
+  local base = keys[1]
+  local probe_ms = int_arg('hw_breaker_check', 'probe_ms', args[1])
+  local now = now_ms()
+  local out = {}
+  for i = 2, #args do
+    local key = base .. ':cb:' .. args[i]
+    local b = redis.call('HMGET', key, 'state', 'open_until', 'probe_until')
+    local state = b[1]
+    local reply = 0
+    if state == 'open' and now < (tonumber(b[2]) or 0) then
+      reply = tonumber(b[2]) - now
+    elseif state == 'half' and now < (tonumber(b[3]) or 0) then
+      reply = tonumber(b[3]) - now
+    elseif state == 'open' or state == 'half' then  -- cooled down, or the probe was lost
+      redis.call('HSET', key, 'state', 'half', 'probe_until', fmt(now + probe_ms))
+      reply = -1
+    end
+    out[#out + 1] = reply
+  end
+  return out
+end
+
+--[[
+hw_breaker_report  KEYS[1] = P:{http}
+                   ARGV = threshold (failures that open it), window_ms, cooldown_ms
+                          (the first open's), max_cooldown_ms, then per target four
+                          values: target, successes, failures, probe ('1' when these are
+                          the outcome of the probe hw_breaker_check granted)
+A closed breaker opens when, within one window, failures reach threshold and
+are at least as many as successes: one or two failures never open it. A
+probe's success closes it; its failure opens it again for twice as long (up
+to max_cooldown_ms). Outcomes of deliveries sent before it opened change
+nothing while it is open. Reply per target: 0 closed, 1 open, 2 half-open.
+]]
+local BREAKER_STATE = {closed = 0, open = 1, half = 2}
+
+local function hw_breaker_report(keys, args)
+  local base = keys[1]
+  local threshold = int_arg('hw_breaker_report', 'threshold', args[1])
+  local window_ms = int_arg('hw_breaker_report', 'window_ms', args[2])
+  local cooldown_ms = int_arg('hw_breaker_report', 'cooldown_ms', args[3])
+  local max_cooldown_ms = int_arg('hw_breaker_report', 'max_cooldown_ms', args[4])
+  local now = now_ms()
+  local out = {}
+  for i = 5, #args - 3, 4 do
+    local key = base .. ':cb:' .. args[i]
+    local ok_n = int_arg('hw_breaker_report', 'successes', args[i + 1])
+    local fail_n = int_arg('hw_breaker_report', 'failures', args[i + 2])
+    local probe = args[i + 3] == '1'
+    local b = redis.call('HMGET', key, 'state', 'win', 'ok', 'fail', 'opens')
+    local state = b[1] or 'closed'
+    local function open(opens)
+      local cool = math.min(max_cooldown_ms, cooldown_ms * 2 ^ opens)
+      redis.call('HSET', key, 'state', 'open', 'opens', fmt(opens),
+                 'open_until', fmt(now + cool), 'probe_until', '0')
+      redis.call('PEXPIRE', key, max_cooldown_ms * 2 + window_ms)
+      state = 'open'
+    end
+    if probe and state == 'half' then
+      if fail_n > 0 then
+        open((tonumber(b[5]) or 0) + 1)
+      else
+        redis.call('DEL', key)
+        state = 'closed'
+      end
+    elseif state == 'closed' and (fail_n > 0 or b[1]) then
+      local win, ok_c, fail_c = tonumber(b[2]), tonumber(b[3]) or 0, tonumber(b[4]) or 0
+      if not win or now - win >= window_ms then
+        win, ok_c, fail_c = now, 0, 0
+      end
+      ok_c, fail_c = ok_c + ok_n, fail_c + fail_n
+      if fail_c >= threshold and fail_c >= ok_c then
+        redis.call('HSET', key, 'win', fmt(win), 'ok', fmt(ok_c), 'fail', fmt(fail_c))
+        open(0)
+      elseif fail_c == 0 then
+        redis.call('DEL', key)
+      else
+        redis.call('HSET', key, 'state', 'closed', 'win', fmt(win), 'ok', fmt(ok_c),
+                   'fail', fmt(fail_c))
+        redis.call('PEXPIRE', key, window_ms * 2)
+      end
+    end
+    out[#out + 1] = BREAKER_STATE[state] or 0
+  end
+  return out
+end
+
 redis.register_function('hw_publish', hw_publish)
 redis.register_function{function_name = 'hw_admit', callback = hw_admit}
 redis.register_function{function_name = 'hw_settled', callback = hw_settled}
@@ -768,3 +900,5 @@ redis.register_function{function_name = 'hw_complete_batch', callback = hw_compl
 redis.register_function{function_name = 'hw_fail', callback = hw_fail}
 redis.register_function{function_name = 'hw_expire', callback = hw_expire}
 redis.register_function{function_name = 'hw_cancel', callback = hw_cancel}
+redis.register_function{function_name = 'hw_breaker_check', callback = hw_breaker_check}
+redis.register_function{function_name = 'hw_breaker_report', callback = hw_breaker_report}

@@ -42,6 +42,7 @@ class Claimed(msgspec.Struct, frozen=True, kw_only=True):
     state: str
     max_attempts: int
     backoff_s: float
+    target: str = ""  # an http job's URL
 
 
 class NewExecution(msgspec.Struct, frozen=True):
@@ -95,6 +96,7 @@ class Queued(msgspec.Struct, frozen=True):
     job_id: uuid.UUID
     scheduled_for: datetime
     attempt: int
+    deferrals: int = 0  # attempts put off so far: each raises the attempt limit by one
 
 
 class Dispatched(msgspec.Struct, kw_only=True):
@@ -126,7 +128,8 @@ def _claimed(row) -> Claimed:
                    tenant_id=row["tenant_id"], pool=row["pool"],
                    payload=row["payload"], schedule=row["schedule"],
                    timeout_s=row["timeout_s"], state=row["state"],
-                   max_attempts=row["max_attempts"], backoff_s=row["backoff_s"])
+                   max_attempts=row["max_attempts"], backoff_s=row["backoff_s"],
+                   target=row["target"])
 
 
 async def dispatch(db: Database, node_id: str, revisions: dict[int, int], keys: list[DueKey],
@@ -163,8 +166,8 @@ async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
         out = await conn.fetch(q("finish_dispatch"), now, *_finish_args(decided))
         if decided.failed:
             await conn.execute(q("fail_claimed"), now, *_failed_args(decided.failed))
-    queued = [Queued(r["execution_id"], r["job_id"], r["scheduled_for"], r["attempt"])
-              for r in out]
+    queued = [Queued(r["execution_id"], r["job_id"], r["scheduled_for"], r["attempt"],
+                     r["deferrals"]) for r in out]
     return Dispatched(held=held, claimed=claimed, queued=queued, replaced=replaced,
                       failed=len(decided.failed))
 

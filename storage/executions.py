@@ -33,6 +33,7 @@ class ExecutionUpdate(msgspec.Struct, kw_only=True):
     result: str | None = None  # JSON text
     error: str | None = None  # JSON text
     retry_at: datetime | None = None
+    deferrals: int = 0  # deferred attempts among the batch's events
 
 
 class AttemptRow(msgspec.Struct, kw_only=True):
@@ -114,7 +115,7 @@ def _events_args(updates: list[ExecutionUpdate], attempts: list[AttemptRow],
              for u, r in zip(updates, retry, strict=True)],
             [due_minute(u.retry_at) if r else None for u, r in zip(updates, retry, strict=True)],
             [u.retry_at if r else None for u, r in zip(updates, retry, strict=True)],
-            *_attempt_args(attempts), now, with_forbid)
+            *_attempt_args(attempts), now, with_forbid, [u.deferrals for u in updates])
 
 
 def _update_args(updates: list[ExecutionUpdate]) -> tuple[list, ...]:

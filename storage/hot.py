@@ -33,6 +33,8 @@ class ReadyExecution(msgspec.Struct, frozen=True, kw_only=True):
     timeout_seconds: int
     max_attempts: int = 5  # hot state only (hw_fail decides retry or dead), not on the stream
     backoff_ms: int = 10_000
+    target: str = ""  # an http job's URL (the stream field `target`); empty for a queue
+
 
     @property
     def idempotency_key(self) -> str:
@@ -41,7 +43,8 @@ class ReadyExecution(msgspec.Struct, frozen=True, kw_only=True):
     def args(self) -> list[str]:
         return [self.execution_id, str(self.attempt), self.job_id, self.tenant_id,
                 self.scheduled_for, self.payload, str(self.timeout_seconds),
-                self.idempotency_key, str(self.max_attempts), str(self.backoff_ms)]
+                self.idempotency_key, str(self.max_attempts), str(self.backoff_ms),
+                *((self.target,) if self.target else ())]
 
 
 class Admission(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,7 +67,8 @@ _publish_encoder = msgspec.msgpack.Encoder()
 
 
 def publish_arg(items: list[ReadyExecution]) -> bytes:
-    """hw_publish's one argument: every execution's 10 strings, as a MessagePack array."""
+    """hw_publish's one argument: every execution's 10 strings (11 with a target), as a
+    MessagePack array."""
     return _publish_encoder.encode([item.args() for item in items])
 
 

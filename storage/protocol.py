@@ -51,6 +51,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
     outcome: str | None = None  # failed, expired: retry | dead
     retry_at_ms: int | None = None  # failed, expired with outcome retry
     started_ms: int | None = None  # completed, failed, expired: the attempt's first lease
+    deferred: bool | None = None  # failed: put off, not counted against max_attempts
     stream_id: str = ""  # the entry's id, for ack_events (a batch call's events share one)
 
 

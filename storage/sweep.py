@@ -21,8 +21,9 @@ class Unfinished(msgspec.Struct, frozen=True, kw_only=True):
     pool: str
     payload: str
     timeout_s: int
-    max_attempts: int
+    max_attempts: int  # the job's, plus the execution's deferrals
     backoff_s: float
+    target: str = ""  # an http job's URL
 
 
 async def unfinished(db: Database, queued_before: datetime, limit: int) -> list[Unfinished]:

@@ -36,7 +36,8 @@ WITH held AS (
 SELECT (SELECT coalesce(array_agg(shard_id), '{}') FROM held) AS held,
        c.shard_id, c.next_run_at, c.job_id, c.execution_id, c.scheduled_for, c.attempt,
        j.tenant_id, j.pool, j.payload::text AS payload, j.schedule::text AS schedule,
-       j.timeout_s, j.state, j.max_attempts, j.backoff_s
+       j.timeout_s, j.state, j.max_attempts, j.backoff_s,
+       CASE WHEN j.target_type = 'http' THEN j.target_ref ELSE '' END AS target
 FROM (SELECT 1) AS one
 LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id) ON true;
 
@@ -45,7 +46,8 @@ LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id) ON true;
 -- (job_id, scheduled_for), however often a batch is retried; skipped ones are
 -- recorded, not lost), inserts each cron job's next due row, moves
 -- jobs.next_run_at, and re-queues retries of existing executions. Returns
--- what to publish: the queued executions this call created or re-queued.
+-- what to publish: the queued executions this call created or re-queued, with
+-- the attempts each had deferred (which raise its attempt limit).
 -- A retry (attempt > 1) of a paused job is not re-queued: its row goes back
 -- into the due index parked (due_minute 'infinity', beyond every load's
 -- range) for resume to restore (unpark_due_retries); the execution stays in
@@ -87,7 +89,7 @@ WITH new_exec AS (
     FROM retry r
     WHERE e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
       AND e.state = 'retry_wait' AND e.attempt = r.attempt - 1 AND r.fate = 'run'
-    RETURNING e.execution_id, e.job_id, e.scheduled_for, e.attempt
+    RETURNING e.execution_id, e.job_id, e.scheduled_for, e.attempt, e.deferrals
 ), dropped AS (
     UPDATE executions e SET state = 'canceled', finished_at = coalesce($1, now())
     FROM retry r
@@ -100,9 +102,10 @@ WITH new_exec AS (
     FROM retry WHERE fate = 'park'
     ON CONFLICT DO NOTHING
 )
-SELECT execution_id, job_id, scheduled_for, attempt FROM new_exec WHERE state = 'queued'
+SELECT execution_id, job_id, scheduled_for, attempt, 0 AS deferrals
+FROM new_exec WHERE state = 'queued'
 UNION ALL
-SELECT execution_id, job_id, scheduled_for, attempt FROM retried;
+SELECT execution_id, job_id, scheduled_for, attempt, deferrals FROM retried;
 
 -- name: replace_previous
 -- Overlap replace: a new occurrence supersedes the job's unfinished earlier

@@ -7,19 +7,20 @@
 -- finished occurrence of a forbid-overlap cron job is left out unless $24
 -- (its successor is computed in Python, in one transaction with its
 -- update): `forbid` lists those jobs, `finished` the jobs whose execution
--- this statement finished.
+-- this statement finished. $25 counts the deferred attempts among each
+-- execution's events (they raise its attempt limit by one each).
 WITH u AS (  -- times arrive as Redis milliseconds
     SELECT execution_id, scheduled_for, attempt, state, lease_owner,
            to_timestamp(lease_until_ms / 1000.0) AS lease_until,
            to_timestamp(started_ms / 1000.0) AS started_at,
            to_timestamp(finished_ms / 1000.0) AS finished_at,
-           result, error, job_id, retry_shard, retry_minute, retry_at
+           result, error, job_id, retry_shard, retry_minute, retry_at, deferrals
     FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[], $4::text[], $5::text[],
                 $6::bigint[], $7::bigint[], $8::bigint[], $9::text[], $10::text[], $11::uuid[],
-                $12::smallint[], $13::timestamptz[], $14::timestamptz[])
+                $12::smallint[], $13::timestamptz[], $14::timestamptz[], $25::integer[])
          AS u(execution_id, scheduled_for, attempt, state, lease_owner, lease_until_ms,
               started_ms, finished_ms, result, error, job_id, retry_shard, retry_minute,
-              retry_at)
+              retry_at, deferrals)
 ), forbid AS (
     SELECT j.job_id FROM jobs j
     WHERE j.job_id IN (SELECT job_id FROM u WHERE state IN ('succeeded', 'dead'))
@@ -32,7 +33,8 @@ WITH u AS (  -- times arrive as Redis milliseconds
         started_at = coalesce(e.started_at, u.started_at),
         finished_at = CASE WHEN u.state IN ('succeeded', 'dead') THEN u.finished_at END,
         result = coalesce(u.result::jsonb, e.result),
-        error = coalesce(u.error::jsonb, e.error)
+        error = coalesce(u.error::jsonb, e.error),
+        deferrals = e.deferrals + u.deferrals
     FROM u
     WHERE e.execution_id = u.execution_id AND e.scheduled_for = u.scheduled_for
       AND e.attempt = u.attempt
@@ -67,7 +69,8 @@ WITH u AS (  -- times arrive as Redis milliseconds
         worker_id = coalesce(a.worker_id, EXCLUDED.worker_id),
         started_at = coalesce(a.started_at, EXCLUDED.started_at),
         finished_at = coalesce(EXCLUDED.finished_at, a.finished_at),
-        outcome = CASE WHEN a.outcome IN ('succeeded', 'failed', 'expired', 'canceled')
+        outcome = CASE WHEN a.outcome IN ('succeeded', 'failed', 'expired', 'canceled',
+                                          'deferred')
                        THEN a.outcome ELSE EXCLUDED.outcome END,
         error = coalesce(EXCLUDED.error, a.error)
 ), retries AS (
@@ -108,7 +111,8 @@ WHERE job_id = ANY($1::uuid[]) AND state = 'active' AND schedule->>'overlap' = '
 -- name: unfinished_executions
 -- Sweeper: executions Postgres thinks are queued or running, queued at or before $1.
 SELECT e.execution_id, e.job_id, e.tenant_id, e.scheduled_for, e.attempt, e.state,
-       j.pool, j.payload::text AS payload, j.timeout_s, j.max_attempts, j.backoff_s
+       j.pool, j.payload::text AS payload, j.timeout_s, j.max_attempts + e.deferrals AS max_attempts,
+       j.backoff_s, CASE WHEN j.target_type = 'http' THEN j.target_ref ELSE '' END AS target
 FROM executions e JOIN jobs j USING (job_id)
 WHERE e.state IN ('queued', 'running') AND e.queued_at <= $1
 ORDER BY e.queued_at

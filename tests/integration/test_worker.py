@@ -165,6 +165,41 @@ async def test_permanent_dead_letters_at_once(pool: Pool) -> None:
     assert error_of(failed) == {"type": "Permanent", "message": "no such mailbox"}
 
 
+async def test_retry_after_holds_the_next_attempt_back(pool: Pool) -> None:
+    worker = pool.worker()
+
+    @worker.handler
+    async def handle(ctx: herdwick.Context) -> None:
+        raise herdwick.RetryAfter(90, "slow down")
+
+    execution = make_execution(max_attempts=3, backoff_ms=1000)
+    await pool.publish(execution)
+    async with running(worker):
+        failed = await pool.next_event("failed", execution.execution_id)
+    assert (failed["outcome"], error_of(failed)["message"]) == ("retry", "slow down")
+    # The backoff alone would be 0.5-1 s; Retry-After asks for 90.
+    assert int(failed["retry_at_ms"]) - int(failed["at_ms"]) == 90_000
+
+
+async def test_defer_puts_an_attempt_off_without_counting_it(pool: Pool) -> None:
+    worker = pool.worker()
+
+    @worker.handler
+    async def handle(ctx: herdwick.Context) -> None:
+        raise herdwick.Defer(30, "downstream is down")
+
+    # On its last attempt: a failure would dead-letter it, a deferral does not.
+    execution = make_execution(max_attempts=1)
+    await pool.publish(execution)
+    async with running(worker):
+        failed = await pool.next_event("failed", execution.execution_id)
+    assert (failed["outcome"], failed["deferred"]) == ("retry", "1")
+    assert int(failed["retry_at_ms"]) - int(failed["at_ms"]) == 30_000
+    assert error_of(failed) == {"type": "Defer", "message": "downstream is down"}
+    hot = keys.hot_state(pool.prefix, POOL, execution.execution_id)
+    assert await pool.client.hget(hot, "max_attempts") == b"2"
+
+
 async def test_a_long_error_message_is_truncated(pool: Pool) -> None:
     worker = pool.worker()
 
