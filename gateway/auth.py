@@ -51,15 +51,35 @@ def bearer(request: web.Request) -> str:
     return token.strip()
 
 
-async def tenant_of(request: web.Request, db: Database, cache: KeyCache) -> KeyOwner:
-    key = bearer(request)
+async def _owner(key: str, db: Database, cache: KeyCache) -> KeyOwner | None:
     digest = hash_api_key(key)
     owner = cache.get(digest)
     if owner is None:
         owner = await owner_of_key(db, key)
-        if owner is None:
-            raise _unauthorized("the API key is not valid")
-        cache.put(digest, owner)
+        if owner is not None:
+            cache.put(digest, owner)
+    return owner
+
+
+async def tenant_of(request: web.Request, db: Database, cache: KeyCache) -> KeyOwner:
+    owner = await _owner(bearer(request), db, cache)
+    if owner is None:
+        raise _unauthorized("the API key is not valid")
+    return owner
+
+
+async def admin_or_tenant(request: web.Request, admin_token: str | None, db: Database,
+                          cache: KeyCache) -> KeyOwner | None:
+    """None for the admin token; else the tenant whose API key it is (401 if none is).
+
+    With the admin API off, only tenant keys are tried: the route stays open to them.
+    """
+    token = bearer(request)
+    if admin_token is not None and same_secret(token, admin_token):
+        return None
+    owner = await _owner(token, db, cache)
+    if owner is None:
+        raise _unauthorized("the token is neither a tenant's API key nor the admin token")
     return owner
 
 

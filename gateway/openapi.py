@@ -9,6 +9,7 @@ zones this server knows, and every status each operation can answer with.
 
 from __future__ import annotations
 
+import inspect
 import zoneinfo
 from functools import cache
 
@@ -45,6 +46,10 @@ _PROBLEM_HEADERS = {
     429: _RETRY_AFTER,
     503: _RETRY_AFTER,
 }
+
+# Any one of a list's entries will do (OpenAPI security: alternatives).
+_SECURITY = {"tenant": [{"apiKey": []}], "admin": [{"adminToken": []}],
+             "admin_or_tenant": [{"adminToken": []}, {"apiKey": []}]}
 
 
 def _statuses(route: Route) -> list[int]:
@@ -91,14 +96,15 @@ def _operation(route: Route, refs: dict[type, dict]) -> dict:
     op: dict = {"summary": route.summary, "operationId": route.handler.__name__,
                 "responses": {}}
     if route.handler.__doc__:
-        op["description"] = route.handler.__doc__.strip()
+        op["description"] = inspect.cleandoc(route.handler.__doc__)
     params = _parameters(route)
     if params:
         op["parameters"] = params
     if route.auth != "none":
-        op["security"] = [{"adminToken" if route.auth == "admin" else "apiKey": []}]
+        op["security"] = _SECURITY[route.auth]
     if route.body is not None:
-        op["requestBody"] = {"required": True, "content": _json(refs[route.body])}
+        op["requestBody"] = {"required": not route.body_optional,
+                             "content": _json(refs[route.body])}
     for status, model in (route.ok, *route.also):
         answer: dict = {"description": _STATUS_TEXT.get(status, "OK")}
         if model is not None:

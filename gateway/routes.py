@@ -22,6 +22,7 @@ from herdwick.model import (
     JobCreated,
     JobPage,
     JobSpec,
+    SecretRotation,
     SigningSecret,
     Tenant,
     TenantCreated,
@@ -44,7 +45,8 @@ class Route(NamedTuple):
     path: str  # OpenAPI form: /v1/jobs/{jobId}:pause
     handler: Handler
     summary: str
-    auth: Literal["tenant", "admin", "none"]
+    # admin_or_tenant: the admin token, or the API key of the tenant the path names.
+    auth: Literal["tenant", "admin", "admin_or_tenant", "none"]
     body: type | None = None
     ok: tuple[int, type | None] = (200, None)
     # Problem statuses of this route's own; gateway/openapi.py adds those that its auth,
@@ -53,6 +55,7 @@ class Route(NamedTuple):
     query: tuple[Query, ...] = ()
     headers: tuple[Query, ...] = ()
     also: tuple[tuple[int, type], ...] = ()  # other answers that are not problems
+    body_optional: bool = False  # an empty body is the body's defaults
 
 
 # The cursors each list issues. storage/jobs.py encode_cursor, for jobs and dead letters:
@@ -119,7 +122,8 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/tenants", tenants.create_tenant, "Create a tenant", "admin", TenantSpec,
           (201, TenantCreated)),
     Route("POST", "/v1/tenants/{tenantId}:rotate-secret", tenants.rotate_secret,
-          "Rotate a tenant's signing secret", "admin", ok=(200, SigningSecret)),
+          "Rotate a tenant's signing secret, the old one signing too for an overlap",
+          "admin_or_tenant", SecretRotation, (200, SigningSecret), body_optional=True),
     Route("PATCH", "/v1/tenants/{tenantId}", tenants.patch_tenant, "Update a tenant's limits",
           "admin", TenantPatch, (200, Tenant)),
     Route("GET", "/healthz", health.healthz, "Liveness", "none", ok=(200, health.Health)),

@@ -65,6 +65,10 @@ Burst = Annotated[float, Meta(ge=1, le=100_000_000)]  # tokens; unset: one secon
 MaxActiveJobs = Annotated[WholeNumber, Meta(ge=1, le=100_000_000)]
 TenantName = Annotated[str, Meta(min_length=1, max_length=200,
                                  extra_json_schema={"pattern": NAME_PATTERN})]
+# How long a rotated-out signing secret keeps signing deliveries beside the new one.
+SECRET_OVERLAP_DEFAULT_S = 24 * 3600
+MAX_SECRET_OVERLAP_S = 7 * 24 * 3600
+SecretOverlapSeconds = Annotated[WholeNumber, Meta(ge=0, le=MAX_SECRET_OVERLAP_S)]
 
 
 def _as_ints(struct: msgspec.Struct, *fields: str) -> None:
@@ -279,8 +283,26 @@ class Tenant(msgspec.Struct, kw_only=True, rename="camel"):
     updated_at: datetime
 
 
+class SecretRotation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
+                     rename="camel"):
+    """The body of POST /v1/tenants/{tenantId}:rotate-secret; an empty body is all defaults.
+
+    overlapSeconds: how long the secret being replaced goes on signing deliveries beside
+    the new one (0: it stops at once).
+    """
+
+    overlap_seconds: SecretOverlapSeconds = SECRET_OVERLAP_DEFAULT_S
+
+    def __post_init__(self) -> None:
+        _as_ints(self, "overlap_seconds")
+
+
 class SigningSecret(msgspec.Struct, kw_only=True, rename="camel"):
+    """A rotation's answer: the new secret, and when the one it replaced stops signing
+    (null: it already has)."""
+
     signing_secret: str
+    previous_secret_expires_at: AwareTime | None
 
 
 # --- errors ---------------------------------------------------------------------

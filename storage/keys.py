@@ -51,3 +51,9 @@ def pools_set(prefix: str) -> str:
 def epoch_key(prefix: str) -> str:
     """Set once by a scheduler; its absence means Redis lost its data (restart, flush)."""
     return f"{prefix}:epoch"
+
+
+def signing_hash(prefix: str) -> str:
+    """Hash of tenant id -> its signing secrets (herdwick.signing.SigningKeys as JSON), what
+    the http workers sign deliveries with; in the http pool's slot, beside its streams."""
+    return f"{prefix}:{{http}}:signing"

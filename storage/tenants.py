@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import asyncpg
 import msgspec
 
+from herdwick.clock import to_us
 from herdwick.credentials import hash_api_key, new_api_key, new_signing_secret, same_secret
 from herdwick.errors import NotFound
 from herdwick.ids import uuid7
-from herdwick.model import Tenant, TenantCreated, TenantPatch, TenantSpec
+from herdwick.model import SigningSecret, Tenant, TenantCreated, TenantPatch, TenantSpec
+from herdwick.signing import SigningKeys
 from herdwick.storage.db import Database
 from herdwick.storage.sql import q
 
@@ -94,13 +96,42 @@ async def limits_since(db: Database,
     return changed, rows[-1]["updated_at"] if rows else since
 
 
-async def rotate_signing_secret(db: Database, tenant_id: uuid.UUID) -> str:
-    secret = new_signing_secret()
+class Rotation(msgspec.Struct, frozen=True, kw_only=True):
+    """A committed rotation: what its caller is shown, and what the http workers sign with."""
+
+    shown: SigningSecret
+    keys: SigningKeys
+
+
+def _signing_keys(row: asyncpg.Record) -> SigningKeys:
+    until = row["previous_secret_until"]
+    return SigningKeys(current=row["signing_secret"], previous=row["previous_signing_secret"],
+                       previous_until_ms=None if until is None else to_us(until) // 1000)
+
+
+async def rotate_signing_secret(db: Database, tenant_id: uuid.UUID, overlap_s: int,
+                                now: datetime) -> Rotation:
+    """A new signing secret; the one it replaces signs too for `overlap_s` more seconds.
+
+    Rotating again inside an overlap keeps only the secret that was current just
+    before: the older one stops signing at once.
+    """
+    until = now + timedelta(seconds=overlap_s) if overlap_s > 0 else None
     async with db.connection() as conn:
-        found = await conn.fetchval(q("rotate_signing_secret"), tenant_id, secret)
-    if found is None:
+        row = await conn.fetchrow(q("rotate_signing_secret"), tenant_id, new_signing_secret(),
+                                  until)
+    if row is None:
         raise NotFound(f"tenant {tenant_id} does not exist")
-    return secret
+    shown = SigningSecret(signing_secret=row["signing_secret"],
+                          previous_secret_expires_at=row["previous_secret_until"])
+    return Rotation(shown=shown, keys=_signing_keys(row))
+
+
+async def signing_secrets(db: Database, now: datetime) -> dict[str, SigningKeys]:
+    """Every tenant's signing secrets at `now`, by tenant id text (one query)."""
+    async with db.connection() as conn:
+        rows = await conn.fetch(q("tenant_signing_secrets"), now)
+    return {str(row["tenant_id"]): _signing_keys(row) for row in rows}
 
 
 async def issue_key_for(db: Database, name: str, now: datetime) -> tuple[uuid.UUID, str]:

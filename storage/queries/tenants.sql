@@ -38,7 +38,25 @@ FROM tenants WHERE $1::timestamptz IS NULL OR updated_at > $1
 ORDER BY updated_at;
 
 -- name: rotate_signing_secret
-UPDATE tenants SET signing_secret = $2 WHERE tenant_id = $1 RETURNING tenant_id;
+-- $2 becomes the current secret; the one it replaces keeps signing until $3 (NULL: no
+-- overlap, it stops at once). SET reads the row as it was, so a rotation inside an
+-- overlap drops the older previous secret. Returns the secrets as they now are.
+UPDATE tenants SET
+    signing_secret          = $2,
+    previous_signing_secret = CASE WHEN $3::timestamptz IS NULL THEN NULL ELSE signing_secret END,
+    previous_secret_until   = $3
+WHERE tenant_id = $1
+RETURNING tenant_id, signing_secret, previous_signing_secret, previous_secret_until;
+
+-- name: tenant_signing_secrets
+-- Every tenant's signing secrets, for the http workers' copy in Redis; a previous
+-- secret whose overlap had ended by $1 is left out.
+SELECT tenant_id, signing_secret,
+       CASE WHEN previous_secret_until > $1 THEN previous_signing_secret END
+           AS previous_signing_secret,
+       CASE WHEN previous_secret_until > $1 THEN previous_secret_until END
+           AS previous_secret_until
+FROM tenants;
 
 -- name: tenant_quota_lock
 -- Serialises the submits of one quota-limited tenant for this transaction, so
