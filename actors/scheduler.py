@@ -28,7 +28,7 @@ from herdwick.actors.dispatcher import DispatchActor
 from herdwick.actors.executions import ExecutionEvents
 from herdwick.actors.fairqueue import FairQueue
 from herdwick.actors.maintenance import INTERVAL_S as MAINTENANCE_INTERVAL_S
-from herdwick.actors.maintenance import Maintenance
+from herdwick.actors.maintenance import SIGNING_SYNC_S, Maintenance, SyncSigning
 from herdwick.actors.messages import Forget, LeaseLost, NotifyDue, Publish, Ready
 from herdwick.actors.reaper import INTERVAL_S as REAPER_INTERVAL_S
 from herdwick.actors.reaper import Reaper
@@ -121,7 +121,8 @@ class Scheduler:
                                        shards=self._shards, make_shard=self._make_shard,
                                        db_now=self._db_now, released=self._released)
         await self._core.start("coordinator", lambda: self.coordinator)
-        self.maintenance = Maintenance(db=self.db, clock=self.clock)
+        self.maintenance = Maintenance(db=self.db, clock=self.clock, redis=client,
+                                       key_prefix=self.settings.key_prefix)
         await self._core.start("maintenance", lambda: self.maintenance)
         if self._tick:
             # By name, looked up at each tick: a crashed execution-tier actor is replaced.
@@ -134,6 +135,8 @@ class Scheduler:
                     every(interval_s, lambda n=name: getattr(self, n).send(Tick()))))
             self._tasks.append(asyncio.create_task(every(LIMITS_REFRESH_S,
                                                          self._refresh_limits_quietly)))
+            self._tasks.append(asyncio.create_task(every(
+                SIGNING_SYNC_S, lambda: self.maintenance.send(SyncSigning()))))
         self._notify = asyncio.create_task(self._listen_notify(client))
         log.info("scheduler_started", node=self.node_id, shards=len(self.coordinator.leases))
         return self
