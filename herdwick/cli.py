@@ -47,6 +47,7 @@ _USES = {
     "http-worker": ("redis_url", "key_prefix", "http_allow"),
     "tenant create": ("database_url",),
     "tenant update": ("database_url",),
+    "tenant rotate-secret": ("database_url", "redis_url", "key_prefix"),
     "worker": ("redis_url", "key_prefix"),
 }
 
@@ -123,6 +124,13 @@ def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
                         help="the quota's burst, or none for one second of the rate")
     update.add_argument("--max-active-jobs", default=None, metavar="N|none",
                         help="most active or paused jobs, or none to lift the limit")
+    rotate = command(tenant_sub, "rotate-secret", "give a tenant a new signing secret; the "
+                                                  "old one signs too until the overlap ends",
+                     "tenant rotate-secret")
+    rotate.add_argument("tenant_id", metavar="TENANT_ID", help="the id tenant create printed")
+    rotate.add_argument("--overlap", type=int, default=None, metavar="SECONDS",
+                        help="how long the old secret goes on signing beside the new one, "
+                             "0 to 604800; default 86400 (a day), 0 stops it at once")
     cron = command(sub, "cron", "print the next fire times of a cron expression: the function "
                                 "the scheduler uses")
     cron.add_argument("expr", help="five fields, or a macro such as @daily")
@@ -331,9 +339,68 @@ async def _tenant_update(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _tenant_rotate_secret(settings: Settings, args: argparse.Namespace) -> int:
+    import uuid
+
+    import msgspec
+
+    from herdwick.clock import SystemClock
+    from herdwick.model import MAX_SECRET_OVERLAP_S, SecretRotation
+    from herdwick.schedule import format_utc
+    from herdwick.storage.db import Database
+    from herdwick.storage.tenants import rotate_signing_secret
+
+    body = {} if args.overlap is None else {"overlapSeconds": args.overlap}
+    try:
+        tenant_id = uuid.UUID(args.tenant_id)
+    except ValueError:
+        print(f"herdwick tenant rotate-secret: {args.tenant_id!r} is not a tenant id",
+              file=sys.stderr)
+        return 2
+    try:
+        rotation = msgspec.convert(body, SecretRotation)
+    except msgspec.ValidationError:
+        print(f"herdwick tenant rotate-secret: --overlap must be 0 to {MAX_SECRET_OVERLAP_S} "
+              "seconds", file=sys.stderr)
+        return 2
+    db = await Database.connect(settings.database_url, max_size=1)
+    try:
+        rotated = await rotate_signing_secret(db, tenant_id, rotation.overlap_seconds,
+                                              SystemClock().now())
+    finally:
+        await db.close()
+    await _publish_signing_keys(settings, str(tenant_id), rotated.keys)
+    expires = rotated.shown.previous_secret_expires_at
+    print(f"signing secret:             {rotated.shown.signing_secret}")
+    print(f"previous secret expires at: {format_utc(expires) if expires else 'now (no overlap)'}")
+    return 0
+
+
+async def _publish_signing_keys(settings: Settings, tenant_id: str, keys: Any) -> None:
+    """Hand the http workers the new keys at once when Redis is configured; otherwise (or if
+    it fails) the schedulers copy them from Postgres within seconds."""
+    if not settings.redis_url:
+        return
+    import redis.asyncio as aioredis
+
+    from herdwick.errors import StorageUnavailable
+    from herdwick.storage import signing
+
+    client = aioredis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        await signing.publish(client, settings.key_prefix, {tenant_id: keys})
+    except StorageUnavailable as exc:
+        print(f"herdwick tenant rotate-secret: rotated; the http workers get the new secret "
+              f"from the schedulers within seconds ({exc})", file=sys.stderr)
+    finally:
+        await client.aclose()
+
+
 async def _tenant(settings: Settings, args: argparse.Namespace) -> int:
     if args.tenant_command == "update":
         return await _tenant_update(settings, args)
+    if args.tenant_command == "rotate-secret":
+        return await _tenant_rotate_secret(settings, args)
     return await _tenant_create(settings, args)
 
 

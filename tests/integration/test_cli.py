@@ -7,11 +7,14 @@ import json
 import os
 import socket
 import sys
+import time
 import uuid
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
 
+from herdwick.storage import signing
 from tests.services import with_database
 
 TIMEOUT_S = 30
@@ -44,6 +47,7 @@ FLAGS = {
     ("migrate",): {"--database-url"},
     ("tenant", "create"): {"--database-url"},
     ("tenant", "update"): {"--database-url"},
+    ("tenant", "rotate-secret"): {"--database-url", "--redis-url", "--key-prefix"},
     ("scheduler",): {"--database-url", "--redis-url", "--key-prefix", "--dispatch-order",
                      "--ready-max"},
     ("worker",): {"--redis-url", "--key-prefix"},
@@ -114,6 +118,61 @@ async def test_tenant_update_changes_the_share_and_lifts_limits(db_url, db) -> N
     code, _, err = await herdwick("tenant", "update", tenant_id, "--rate", "fast",
                                   "--database-url", db_url)
     assert code == 2 and "fast" in err
+
+
+async def test_tenant_rotate_secret_prints_the_new_secret_and_hands_it_to_redis(
+        db_url, db, services, key_prefix, redis_client) -> None:
+    code, out, err = await herdwick("tenant", "create", "acme", "--database-url", db_url)
+    assert code == 0, err
+    created = {k: v.strip() for k, v in (line.split(":", 1) for line in out.splitlines())}
+    tenant_id = created["tenant id"]
+    redis = ("--redis-url", services.redis_url, "--key-prefix", key_prefix)
+    code, out, err = await herdwick("tenant", "rotate-secret", tenant_id, "--overlap", "3600",
+                                    "--database-url", db_url, *redis)
+    assert code == 0, err
+    shown = {k: v.strip() for k, v in (line.split(":", 1) for line in out.splitlines())}
+    new = shown["signing secret"]
+    assert new.startswith("whsec_") and new != created["signing secret"]
+    expires = datetime.fromisoformat(shown["previous secret expires at"])
+    assert timedelta(minutes=59) < expires - datetime.now(UTC) <= timedelta(hours=1)
+    async with db.connection() as conn:
+        row = await conn.fetchrow("SELECT signing_secret, previous_signing_secret, "
+                                  "previous_secret_until FROM tenants")
+    assert tuple(row) == (new, created["signing secret"], expires)
+    keys = (await signing.load(redis_client, key_prefix, [tenant_id]))[tenant_id]
+    assert keys.active(int(time.time() * 1000)) == [new, created["signing secret"]]
+
+    code, out, err = await herdwick("tenant", "rotate-secret", tenant_id, "--overlap", "0",
+                                    "--database-url", db_url, *redis)
+    assert code == 0, err
+    assert out.splitlines()[1].endswith("now (no overlap)")
+    latest = out.splitlines()[0].split(":", 1)[1].strip()
+    keys = (await signing.load(redis_client, key_prefix, [tenant_id]))[tenant_id]
+    assert keys.active(int(time.time() * 1000)) == [latest]
+
+
+async def test_tenant_rotate_secret_refuses_what_it_cannot_do(db_url, db) -> None:
+    code, out, err = await herdwick("tenant", "create", "acme", "--database-url", db_url)
+    tenant_id = dict(line.split(":", 1) for line in out.splitlines())["tenant id"].strip()
+    async with db.connection() as conn:
+        before = await conn.fetchval("SELECT signing_secret FROM tenants")
+    for overlap in ("-1", "604801"):
+        code, _, err = await herdwick("tenant", "rotate-secret", tenant_id, "--overlap", overlap,
+                                      "--database-url", db_url)
+        assert code == 2 and "--overlap must be 0 to 604800 seconds" in err
+    code, _, err = await herdwick("tenant", "rotate-secret", "acme", "--database-url", db_url)
+    assert code == 2 and "not a tenant id" in err
+    code, _, err = await herdwick("tenant", "rotate-secret", str(uuid.uuid4()),
+                                  "--database-url", db_url)
+    assert code == 1 and "does not exist" in err
+    async with db.connection() as conn:
+        assert await conn.fetchval("SELECT signing_secret FROM tenants") == before
+    # Without Redis configured it rotates all the same: the schedulers copy it over.
+    code, out, err = await herdwick("tenant", "rotate-secret", tenant_id,
+                                    "--database-url", db_url, env={"HERDWICK_REDIS_URL": ""})
+    assert code == 0, err
+    async with db.connection() as conn:
+        assert await conn.fetchval("SELECT signing_secret FROM tenants") != before
 
 
 async def test_tenant_create_refuses_a_bad_weight_by_name(db_url, db) -> None:
