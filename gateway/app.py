@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from herdwick import logs
+from herdwick import logs, ssrf
 from herdwick.clock import Clock, SystemClock
 from herdwick.config import Settings
 from herdwick.errors import HerdwickError
@@ -19,6 +19,7 @@ from herdwick.gateway.notify import canceller, notifier
 from herdwick.gateway.openapi import DOCUMENT, document, openapi
 from herdwick.gateway.problems import problem_middleware
 from herdwick.gateway.routes import register
+from herdwick.gateway.target_dns import TargetDns
 from herdwick.storage import migrate
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
@@ -30,8 +31,10 @@ DB_POOL_MAX = 20
 
 
 def create_app(settings: Settings, *, clock: Clock | None = None, db: Database | None = None,
-               redis: aioredis.Redis | None = None) -> web.Application:
-    """The tenants' HTTP API. Pass db/redis to share ones the caller owns (tests, dev)."""
+               redis: aioredis.Redis | None = None,
+               resolve: ssrf.Resolve | None = None) -> web.Application:
+    """The tenants' HTTP API. Pass db/redis to share ones the caller owns (tests, dev);
+    resolve answers the submit-time lookups of http targets' names (default getaddrinfo)."""
     app = web.Application(middlewares=[problem_middleware], client_max_size=BATCH_BODY_CAP)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
@@ -39,18 +42,20 @@ def create_app(settings: Settings, *, clock: Clock | None = None, db: Database |
         client = redis
         if client is None and settings.redis_url:
             client = aioredis.from_url(settings.redis_url)
+        the_clock = clock or SystemClock()
+        target_dns = TargetDns(settings.http_allow_networks, the_clock, resolve=resolve)
         try:
             async with database.connection() as conn:
                 await migrate.check(conn)
-            the_clock = clock or SystemClock()
             ctx = Ctx(settings=settings, clock=the_clock, db=database, redis=client,
-                      http_allow=settings.http_allow_networks)
+                      http_allow=settings.http_allow_networks, target_dns=target_dns)
             if client is not None:
                 ctx.notify_due = notifier(HotTier(client, settings.key_prefix), the_clock)
                 ctx.cancel_running = canceller(Protocol(client, settings.key_prefix))
             app[CTX] = ctx
             yield
         finally:
+            await target_dns.close()
             if db is None:
                 await database.close()
             if redis is None and client is not None:

@@ -14,6 +14,7 @@ from herdwick.config import Settings
 from herdwick.gateway.auth import KeyCache
 from herdwick.gateway.notify import Near
 from herdwick.gateway.submit import Network
+from herdwick.gateway.target_dns import TargetDns
 from herdwick.storage.db import Database
 from herdwick.storage.jobs import NewJob
 
@@ -33,6 +34,7 @@ class Ctx:
     db: Database
     redis: aioredis.Redis | None
     http_allow: tuple[Network, ...]
+    target_dns: TargetDns  # the submit-time lookups of http targets' names
     keys: KeyCache = field(default_factory=KeyCache)
     # Called after a commit that made something due (submit, trigger, replay) with
     # (shard_id, job_id, due time): the near-due notify to the shard owners.

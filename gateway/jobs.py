@@ -19,7 +19,8 @@ from herdwick.gateway.decoding import decode, decode_collecting
 from herdwick.gateway.herd import HERD_PLACEHOLDER, herd_check, herd_warning
 from herdwick.gateway.params import json_response, path_uuid
 from herdwick.gateway.problems import bad_field, invalid
-from herdwick.gateway.submit import HTTP_POOL, prepare
+from herdwick.gateway.submit import HTTP_POOL, prepare, refused_message
+from herdwick.gateway.target_dns import target_name
 from herdwick.ids import shard_of
 from herdwick.model import (
     JOB_STATES,
@@ -28,6 +29,7 @@ from herdwick.model import (
     MAX_PAYLOAD_BYTES,
     BatchCreated,
     BatchItem,
+    FieldError,
     Job,
     JobCreated,
     JobPage,
@@ -75,11 +77,22 @@ def _decode_batch(raw: bytes) -> list[JobSpec]:
     return specs
 
 
-def _prepare_all(ctx: Ctx, specs: list[JobSpec], batch: bool) -> list[NewJob]:
+async def _prepare_all(ctx: Ctx, specs: list[JobSpec], batch: bool) -> list[NewJob]:
     now = ctx.clock.now()
-    prepared = [prepare(s, now=now, allow=ctx.http_allow, prefix=f"jobs[{i}]." if batch else "")
-                for i, s in enumerate(specs)]
-    errors = [e for p in prepared for e in p.errors]
+    prefixes = [f"jobs[{i}]." if batch else "" for i in range(len(specs))]
+    prepared = [prepare(s, now=now, allow=ctx.http_allow, prefix=p)
+                for s, p in zip(specs, prefixes, strict=True)]
+    # The names of the http targets that passed every other check, looked up together.
+    names = {i: target_name(s.target.ref) for i, s in enumerate(specs)
+             if s.target.type == "http"
+             and all(e.field != f"{prefixes[i]}target.ref" for e in prepared[i].errors)}
+    refused = await ctx.target_dns.refusals(n for n in names.values() if n is not None)
+    errors: list[FieldError] = []
+    for i, p in enumerate(prepared):
+        errors += p.errors
+        if (name := names.get(i)) in refused:
+            errors.append(FieldError(field=f"{prefixes[i]}target.ref",
+                                     message=refused_message(refused[name])))
     if errors:
         too_big = all(e.field.endswith("payload") and "limit" in e.message for e in errors)
         raise InvalidInput(errors, 413 if too_big else 422)
@@ -91,7 +104,7 @@ async def submit(request: web.Request) -> web.Response:
     owner = await tenant_of(request, ctx.db, ctx.keys)
     key = _idempotency_key(request)
     body = await read_json_body(request, SINGLE_BODY_CAP)
-    [job] = _prepare_all(ctx, [decode(_spec_decoder, body)], batch=False)
+    [job] = await _prepare_all(ctx, [decode(_spec_decoder, body)], batch=False)
 
     def created(warnings: list[str]) -> JobCreated:
         return JobCreated(job_id=job.job_id, next_run_at=job.next_run_at, state="active",
@@ -105,7 +118,7 @@ async def submit_batch(request: web.Request) -> web.Response:
     owner = await tenant_of(request, ctx.db, ctx.keys)
     key = _idempotency_key(request)
     body = await read_json_body(request, BATCH_BODY_CAP)
-    jobs = _prepare_all(ctx, _decode_batch(body), batch=True)
+    jobs = await _prepare_all(ctx, _decode_batch(body), batch=True)
     items = [BatchItem(job_id=j.job_id, next_run_at=j.next_run_at, state="active") for j in jobs]
 
     def created(warnings: list[str]) -> BatchCreated:

@@ -6,7 +6,6 @@ Each check names the field it rejects, with the batch index as a prefix
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import urllib.parse
 from datetime import datetime, timedelta
@@ -14,6 +13,7 @@ from datetime import datetime, timedelta
 import msgspec
 
 from herdwick import schedule as sched
+from herdwick import ssrf
 from herdwick.ids import shard_of, uuid7
 from herdwick.model import (
     EARLIEST_RUN_AT,
@@ -30,13 +30,13 @@ from herdwick.storage.jobs import NewJob
 
 HTTP_POOL = "http"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_LOCAL_NAMES = ("localhost", "localhost.localdomain")
 
 # What _http_ref_problems takes, as far as a pattern can say it (gateway/openapi.py publishes
 # it): an http(s) scheme in any case, no space or control character anywhere, an optional
 # userinfo (without brackets, which urlsplit would read as an IPv6 host's), a host (a name,
 # or an IPv6 address in brackets: RFC 3986's IPv6address) and a port up to 65535. Whether
-# the host is a private, loopback or link-local address is checked here, not by the pattern.
+# the host is, or resolves to, an address herdwick.ssrf refuses is checked in code, not by
+# the pattern.
 _H16 = "[0-9A-Fa-f]{1,4}"
 _OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
 _LS32 = f"(?:{_H16}:{_H16}|{_OCTET}(?:\\.{_OCTET}){{3}})"
@@ -68,7 +68,7 @@ HTTP_REF_PATTERN = (
 
 _encode_schedule = msgspec.json.Encoder().encode
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Network = ssrf.Network
 
 
 class Prepared(msgspec.Struct, frozen=True):
@@ -99,33 +99,21 @@ def _http_ref_problems(ref: str, allow: tuple[Network, ...]) -> list[str]:
         url.port  # noqa: B018 - raises ValueError for a bad port
     except ValueError as exc:
         return [f"not a valid URL: {exc}"]
-    if url.scheme not in ("http", "https"):
+    if url.scheme not in ssrf.SCHEMES:
         return ["an http target must be an http:// or https:// URL"]
     if not url.hostname:
         return ["an http target needs a host"]
-    host = url.hostname.rstrip(".").lower()
-    if host in _LOCAL_NAMES or host.endswith(".localhost"):
-        address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = (
-            ipaddress.ip_address("127.0.0.1"))
-    else:
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            address = None  # a name: resolved and checked again at delivery
-    if address is not None and not address_allowed(address, allow):
-        return [f"{address} is a private, loopback or link-local address; "
-                "HERDWICK_HTTP_ALLOW must list it to be a target"]
+    try:
+        ssrf.check_url(ref, allow)  # a literal address in any spelling; names: target_dns
+    except ssrf.TargetRefused as exc:
+        return [refused_message(exc)]
     return []
 
 
-def address_allowed(address: ipaddress.IPv4Address | ipaddress.IPv6Address,
-                    allow: tuple[Network, ...]) -> bool:
-    """Public addresses, and any inside an allowed network."""
-    if getattr(address, "ipv4_mapped", None):
-        address = address.ipv4_mapped
-    if any(address in net for net in allow):
-        return True
-    return address.is_global and not address.is_multicast
+def refused_message(exc: ssrf.TargetRefused) -> str:
+    if exc.address is None:
+        return exc.reason
+    return f"{exc.reason}; HERDWICK_HTTP_ALLOW must list it to be a target"
 
 
 def check_payload(raw: msgspec.Raw, prefix: str) -> list[FieldError]:

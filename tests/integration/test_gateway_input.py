@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 
 import pytest
 
-from tests.integration.conftest import Api, make_job
+from tests.integration.conftest import Api, make_job, tenant_api
 
 GOOD_TARGET = {"type": "queue", "ref": "emails"}
 
@@ -52,6 +53,21 @@ CASES: list[tuple[str, bytes, int, str | None]] = [
     ("private target", with_target("http://10.1.2.3/hook"), 422, "target.ref"),
     ("metadata target", with_target("http://169.254.169.254/latest"), 422, "target.ref"),
     ("mapped loopback", with_target("http://[::ffff:127.0.0.1]/"), 422, "target.ref"),
+    ("decimal loopback", with_target("http://2130706433/"), 422, "target.ref"),
+    ("hex loopback", with_target("http://0x7f000001/"), 422, "target.ref"),
+    ("short hex loopback", with_target("http://0x7f.1/"), 422, "target.ref"),
+    ("octal loopback", with_target("http://0177.0.0.1/"), 422, "target.ref"),
+    ("short loopback", with_target("http://127.1:8080/"), 422, "target.ref"),
+    ("full-width loopback", with_target("http://１２７.0.0.1/"), 422, "target.ref"),
+    ("unspecified target", with_target("http://0.0.0.0/"), 422, "target.ref"),
+    ("ipv6 unspecified target", with_target("http://[::]/"), 422, "target.ref"),
+    ("multicast target", with_target("http://224.0.0.1/"), 422, "target.ref"),
+    ("shared address target", with_target("http://100.64.0.1/"), 422, "target.ref"),
+    ("link-local with a zone", with_target("http://[fe80::1%25eth0]/"), 422, "target.ref"),
+    ("NAT64 loopback", with_target("http://[64:ff9b::7f00:1]/"), 422, "target.ref"),
+    ("6to4 metadata", with_target("http://[2002:a9fe:a9fe::]/"), 422, "target.ref"),
+    ("ipv6 metadata", with_target("http://[fd00:ec2::254]/"), 422, "target.ref"),
+    ("a number that is no address", with_target("http://08.0.0.1/"), 422, "target.ref"),
     ("unknown zone", with_schedule({"cron": "0 9 * * *", "tz": "Mars/Olympus"}), 422,
      "schedule.tz"),
     ("path as zone", with_schedule({"cron": "0 9 * * *", "tz": "../../etc/passwd"}), 422,
@@ -132,22 +148,63 @@ async def test_overlong_idempotency_key_is_422(api: Api) -> None:
 
 
 async def test_http_target_allowed_by_http_allow(db_url, services, key_prefix, clock) -> None:
-    from tests.integration.gateway_client import ADMIN_TOKEN, start_client
-
-    client = await start_client(db_url, services.redis_url, key_prefix, clock,
-                                http_allow=("127.0.0.0/8",))
-    try:
-        made = await client.post("/v1/tenants", json={"name": "t"},
-                                 headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
-        auth = {"Authorization": f"Bearer {(await made.json())['apiKey']}"}
-        ok = await client.post("/v1/jobs", headers=auth, json=make_job(
-            target={"type": "http", "ref": "http://127.0.0.1:9000/hook"}))
-        assert ok.status == 201
-        still_refused = await client.post("/v1/jobs", headers=auth, json=make_job(
+    async with tenant_api(db_url, services.redis_url, key_prefix, clock,
+                          http_allow=("127.0.0.0/8",), resolve=dns(hooks="127.0.0.1")) as api:
+        for ref in ("http://127.0.0.1:9000/hook", "http://2130706433/", "http://0x7f.1/",
+                    "http://0177.0.0.1/", "http://[::ffff:127.0.0.1]/", "http://localhost/",
+                    "http://hooks.example:9000/hook"):
+            ok = await api.submit(make_job(target={"type": "http", "ref": ref}))
+            assert ok.status == 201, (ref, await ok.text())
+        still_refused = await api.submit(make_job(
             target={"type": "http", "ref": "http://10.0.0.1/hook"}))
         assert still_refused.status == 422
-    finally:
-        await client.close()
+
+
+def dns(**names: str):
+    """A resolver of a few names (hooks=... answers hooks.example); others do not resolve."""
+    async def resolve(host: str, port: int) -> list[str]:
+        answer = names.get(host.removesuffix(".example"))
+        if answer is None:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return answer.split(",")
+
+    return resolve
+
+
+async def test_a_name_resolving_to_a_private_address_is_422(db_url, services, key_prefix,
+                                                            clock, db) -> None:
+    resolve = dns(internal="10.0.0.5", metadata="8.8.8.8,169.254.169.254")
+    async with tenant_api(db_url, services.redis_url, key_prefix, clock,
+                          resolve=resolve) as api:
+        resp = await api.submit(make_job(target={"type": "http",
+                                                 "ref": "https://internal.example/hook"}))
+        assert resp.status == 422
+        [error] = (await resp.json())["errors"]
+        assert error == {"field": "target.ref", "message": (
+            "internal.example resolves to 10.0.0.5, a private address; "
+            "HERDWICK_HTTP_ALLOW must list it to be a target")}
+
+        batch = await api.client.post("/v1/jobs:batch", headers=api.auth(), json={"jobs": [
+            make_job(target={"type": "http", "ref": "https://nowhere.example/"}),
+            make_job(target={"type": "http", "ref": "https://metadata.example/latest"}),
+            make_job(target={"type": "http", "ref": "https://internal.example/x"}),
+        ]})
+        assert batch.status == 422
+        errors = (await batch.json())["errors"]
+        assert [e["field"] for e in errors] == ["jobs[1].target.ref", "jobs[2].target.ref"]
+        assert "169.254.169.254, a cloud metadata address" in errors[0]["message"]
+    async with db.connection() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM jobs") == 0
+
+
+async def test_a_name_that_does_not_resolve_is_accepted(db_url, services, key_prefix,
+                                                        clock) -> None:
+    # Delivery resolves it again, and that check decides where the request goes.
+    async with tenant_api(db_url, services.redis_url, key_prefix, clock,
+                          resolve=dns()) as api:
+        resp = await api.submit(make_job(target={"type": "http",
+                                                 "ref": "https://not-yet.example/hook"}))
+        assert resp.status == 201, await resp.text()
 
 
 async def test_public_http_target_and_hashed_cron_are_accepted(api: Api) -> None:
