@@ -103,6 +103,9 @@ class TargetDns:
         except (OSError, ValueError) as exc:  # NXDOMAIN, timeout, a label IDNA refuses
             log.debug("target_lookup_failed", host=name, error=str(exc))
             return None  # not remembered: the next submit asks again
+        except Exception as exc:  # a resolver's own bug must not make a submit a 500
+            log.warning("target_lookup_error", host=name, error=repr(exc))
+            return None  # checked again at delivery
         else:
             outcome = None
         self._remember(name, outcome)

@@ -17,9 +17,7 @@ from typing import Any
 from herdwick import logs
 from herdwick.config import ENV, ConfigError, Settings, from_env
 
-NOT_YET = {
-    "http-worker": "the http worker pool",
-}
+NOT_YET: dict[str, str] = {}
 
 # What each setting means, for --help.
 _SETTING_HELP = {
@@ -50,6 +48,26 @@ _USES = {
     "tenant rotate-secret": ("database_url", "redis_url", "key_prefix"),
     "worker": ("redis_url", "key_prefix"),
 }
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
 
 
 def _config_flags(command: str) -> argparse.ArgumentParser:
@@ -92,8 +110,20 @@ def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
                           "(SO_REUSEPORT); off by default, so a busy port is an error")
     command(sub, "scheduler", "shard coordinator, shard actors, dispatch, pool queues, "
                               "execution events, reaper and sweeper", "scheduler")
-    command(sub, "http-worker", "the built-in http worker pool (not yet implemented)",
-            "http-worker")
+    http = command(sub, "http-worker", "the built-in http pool: delivers http jobs as signed "
+                                       "POSTs until SIGINT/SIGTERM", "http-worker")
+    http.add_argument("--concurrency", type=_positive_int, default=512,
+                      help="deliveries in flight at once (default 512)")
+    http.add_argument("--target-concurrency", type=_positive_int, default=128,
+                      help="most deliveries in flight to one scheme://host:port (default 128)")
+    http.add_argument("--breaker-failures", type=_positive_int, default=5,
+                      help="failures within a window that open a target's circuit, when at "
+                           "least as many as its successes (default 5)")
+    http.add_argument("--breaker-window", type=_positive_float, default=30.0, metavar="SECONDS",
+                      help="the window those failures are counted over (default 30)")
+    http.add_argument("--breaker-cooldown", type=_positive_float, default=10.0,
+                      metavar="SECONDS", help="how long a circuit stays open before one probe "
+                                              "(doubled per failed probe, up to 300; default 10)")
     worker = command(sub, "worker", "run a herdwick.Worker from user code until SIGINT/SIGTERM "
                                     "(in-flight work drains first)", "worker")
     worker.add_argument("target", metavar="MODULE:ATTR",
@@ -443,6 +473,20 @@ async def _scheduler(settings: Settings) -> int:
     return 0
 
 
+async def _http_worker(settings: Settings, args: argparse.Namespace) -> int:
+    from herdwick.http_worker import BreakerPolicy, HttpWorker
+
+    stop = asyncio.Event()
+    _stop_on_signals(stop)
+    breaker = BreakerPolicy(failures=args.breaker_failures, window_s=args.breaker_window,
+                            cooldown_s=args.breaker_cooldown,
+                            max_cooldown_s=max(300.0, args.breaker_cooldown))
+    await HttpWorker(settings.redis_url, key_prefix=settings.key_prefix,
+                     allow=settings.http_allow_networks, concurrency=args.concurrency,
+                     target_concurrency=args.target_concurrency, breaker=breaker).run(stop)
+    return 0
+
+
 async def _dev(settings: Settings) -> int:
     from herdwick.dev import run_dev
 
@@ -491,11 +535,13 @@ async def _worker(worker: Any) -> int:
 
 
 def _production(fn: Callable[..., Coroutine[Any, Any, int]],
-                database_only: bool = False) -> Callable[..., int]:
+                database_only: bool = False, redis_only: bool = False) -> Callable[..., int]:
     def command(args: argparse.Namespace) -> int:
         settings = _settings(args)
         if database_only:
             settings.require_database()
+        elif redis_only:
+            settings.require_redis()
         else:
             settings.require_services()
         return _run(fn(settings, args) if fn.__code__.co_argcount == 2 else fn(settings))
@@ -536,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         "dev": lambda a: _run(_dev(_settings(a))),
         "loadtest": cmd_loadtest,
         "worker": cmd_worker,
+        "http-worker": _production(_http_worker, redis_only=True),
     }
     try:
         return commands[args.command](args)

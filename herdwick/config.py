@@ -67,11 +67,14 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         if not self.database_url:
             raise ConfigError("HERDWICK_DATABASE_URL is not set (a Postgres DSN)")
 
+    def require_redis(self) -> None:
+        if not self.redis_url:
+            raise ConfigError("HERDWICK_REDIS_URL is not set (a Redis URL)")
+
     def require_services(self) -> None:
         """Production processes refuse to start without both URLs."""
         self.require_database()
-        if not self.redis_url:
-            raise ConfigError("HERDWICK_REDIS_URL is not set (a Redis URL)")
+        self.require_redis()
 
     @property
     def ready_caps(self) -> tuple[int, dict[str, int]]:

@@ -305,7 +305,9 @@ def _banner(settings: Settings, creds: Credentials, base: Path) -> str:
         f"  postgres:     {settings.database_url}",
         f"  redis:        {settings.redis_url}   (workers connect here)",
         "  scheduler:    running: due jobs go to their pools' ready streams",
-        "  http worker:  not yet implemented: http targets are queued, not yet delivered",
+        "  http worker:  running: http targets are delivered, signed with the tenant's secret"
+        + ("" if settings.http_allow else
+           f" (to reach a receiver on this machine, set {ENV['http_allow']}=127.0.0.0/8)"),
         "",
         "  a worker for the 'emails' pool: in app.py, worker = herdwick.Worker(pool=\"emails\")",
         "  (no URL: it reads HERDWICK_REDIS_URL), then run",
@@ -320,6 +322,7 @@ def _banner(settings: Settings, creds: Credentials, base: Path) -> str:
 async def run_dev(settings: Settings, stop: asyncio.Event) -> int:
     from herdwick.actors.scheduler import Scheduler
     from herdwick.gateway.app import create_app
+    from herdwick.http_worker import HttpWorker
     from herdwick.storage import migrate
     from herdwick.storage.db import Database
 
@@ -338,10 +341,15 @@ async def run_dev(settings: Settings, stop: asyncio.Event) -> int:
             creds = await dev_credentials(db, settings.admin_token, base / CREDENTIALS_FILE)
             settings = msgspec.structs.replace(settings, admin_token=creds.admin_token)
             scheduler = await Scheduler(settings).start()
+            http = HttpWorker(settings.redis_url, key_prefix=settings.key_prefix,
+                              allow=settings.http_allow_networks)
+            delivering = asyncio.create_task(http.run(stop))
             try:
                 app = create_app(settings, db=db)
                 await _serve(app, sockets, stop, _banner(settings, creds, base))
             finally:
+                stop.set()
+                await asyncio.gather(delivering, return_exceptions=True)
                 await scheduler.stop()
         finally:
             await db.close()

@@ -1,0 +1,455 @@
+"""The built-in `http` pool: delivers http jobs as signed POSTs (CONTRACT.md "HTTP targets").
+
+An http worker is a herdwick.Worker on the pool `http` whose handler is a
+delivery: it speaks the worker protocol like any worker, and reads what it
+needs besides (tenants' signing secrets, circuit breakers) from Redis, never
+from Postgres. As many may run as you like; the breakers are shared in Redis.
+
+One delivery: check the target's address (ssrf), ask its breaker, take a slot
+of its concurrency cap, sign, POST (redirects not followed), classify:
+2xx completes; 408, 429, 5xx, timeouts and connection errors retry (a
+Retry-After sets the earliest next attempt); other statuses dead-letter. An
+open breaker defers the execution (herdwick.Defer: no attempt is used up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import random
+import time
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import aiohttp
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from herdwick import logs, ssrf
+from herdwick.schedule import format_utc
+from herdwick.signing import SigningKeys, signature_header
+from herdwick.storage import keys
+from herdwick.worker import Context, Defer, Permanent, RetryAfter, Worker, _Pipeline
+
+log = logs.get("herdwick.http")
+
+HTTP_POOL = "http"
+DEFAULT_CONCURRENCY = 512
+DEFAULT_TARGET_CONCURRENCY = 128
+BODY_EXCERPT_BYTES = 1024  # of a response, kept as the result or in the error
+CLOSED_TRUST_S = 1.0  # a closed breaker is believed this long before asking again
+SUCCESS_FLUSH_S = 1.0  # successes are counted locally and reported this often
+SECRETS_TTL_S = 5.0  # a tenant's signing keys are re-read this often (rotation lands)
+NO_SECRET_DEFER_S = 5.0  # no keys in Redis yet (it restarted; the scheduler restores them)
+BUSY_DEFER_S = 1.0  # a target holding half the worker's slots: put off, not queued here
+TIMEOUT_MARGIN_S = 0.05  # the request gives up before the SDK's handler timeout
+MAX_RETRY_AFTER_S = 24 * 3600.0
+DNS_CACHE_S = 10
+
+
+@dataclass(frozen=True, kw_only=True)
+class BreakerPolicy:
+    """When a target's circuit opens, and for how long (hw_breaker_report)."""
+
+    failures: int = 5  # within one window, and at least as many as the successes
+    window_s: float = 30.0
+    cooldown_s: float = 10.0  # the first open; doubled per failed probe
+    max_cooldown_s: float = 300.0
+
+    def report_head(self, base: str) -> tuple:
+        return ("FCALL", "hw_breaker_report", 1, base, self.failures,
+                round(self.window_s * 1000), round(self.cooldown_s * 1000),
+                round(self.max_cooldown_s * 1000))
+
+
+class HttpError(Exception):
+    """A delivery that failed and may succeed later: retried with the job's backoff."""
+
+    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.error_details = {"class": kind, **({"status": status} if status else {})}
+
+
+class HttpRetryAfter(RetryAfter):
+    """A 429 or 503 (or any retryable status) carrying Retry-After."""
+
+    def __init__(self, seconds: float, kind: str, message: str, status: int) -> None:
+        super().__init__(seconds, message)
+        self.error_details = {"class": kind, "status": status, "retryAfterSeconds": seconds}
+
+
+class HttpRejected(Permanent):
+    """The target refused the delivery for good (a 4xx, a redirect): dead at once."""
+
+    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.error_details = {"class": kind, **({"status": status} if status else {})}
+
+
+class TargetRefused(Permanent):
+    """The target's address is one herdwick must not reach (ssrf), or its URL is unusable."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.error_details = {"class": "target_refused"}
+
+
+class CircuitOpen(Defer):
+    """The target's breaker is open: put off without using up an attempt."""
+
+    def __init__(self, seconds: float, origin: str, why: str) -> None:
+        super().__init__(seconds, f"circuit open for {origin}: {why}; "
+                                  f"deferred {seconds:.1f} s without using an attempt")
+        self.error_details = {"class": "circuit_open", "target": origin}
+
+
+class TargetBusy(Defer):
+    def __init__(self, seconds: float, origin: str, cap: int) -> None:
+        super().__init__(seconds, f"{origin} already has {cap} deliveries in flight and as "
+                                  "many waiting here; deferred without using an attempt")
+        self.error_details = {"class": "target_busy", "target": origin}
+
+
+class SecretMissing(Defer):
+    def __init__(self, seconds: float, tenant_id: str) -> None:
+        super().__init__(seconds, f"no signing secret for tenant {tenant_id} in Redis yet "
+                                  "(a scheduler restores them within seconds)")
+        self.error_details = {"class": "secret_missing"}
+
+
+def origin_of(url: urllib.parse.SplitResult) -> str:
+    """scheme://host:port, the unit of a breaker and of a concurrency cap."""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    host = url.hostname or ""
+    return f"{url.scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def retry_after_s(value: str | None, now: float) -> float | None:
+    """Retry-After as seconds from now: delta-seconds or an HTTP date; None if absent or bad."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return min(float(value), MAX_RETRY_AFTER_S)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None or when.tzinfo is None:
+        return None
+    return min(max(0.0, when.timestamp() - now), MAX_RETRY_AFTER_S)
+
+
+def _excerpt(body: bytes) -> str:
+    return body[:BODY_EXCERPT_BYTES].decode(errors="replace")
+
+
+_RETRY_CLASS = {408: "request_timeout", 429: "rate_limited"}
+
+
+class _Target:
+    """What this process knows of one origin: its breaker as last seen, its slots."""
+
+    __slots__ = ("closed_until", "in_flight", "slots", "successes", "waiting")
+
+    def __init__(self, cap: int) -> None:
+        self.closed_until = 0.0  # monotonic: believe the breaker closed until then
+        self.in_flight = 0
+        self.waiting = 0
+        self.slots = asyncio.Semaphore(cap)
+        self.successes = 0  # not yet reported
+
+
+class Delivery:
+    """The http pool's handler, and the Redis state it shares with other http workers."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str, *,
+                 allow: Sequence[ssrf.Network] = (), concurrency: int = DEFAULT_CONCURRENCY,
+                 target_concurrency: int = DEFAULT_TARGET_CONCURRENCY,
+                 breaker: BreakerPolicy | None = None,
+                 resolver: aiohttp.abc.AbstractResolver | None = None) -> None:
+        # resolver: what answers DNS (aiohttp's default when None); the guard wraps it.
+        self._client = client
+        self._prefix = prefix
+        self._base = keys.pool_base(prefix, HTTP_POOL)
+        self._signing = keys.signing_hash(prefix)
+        self._allow = tuple(allow)
+        self._busy_after = max(1, concurrency // 2)
+        self._cap = target_concurrency
+        self._breaker = breaker or BreakerPolicy()
+        self._resolver = resolver
+        self._targets: dict[str, _Target] = {}
+        self._secrets: dict[str, tuple[float, SigningKeys | None]] = {}
+        self._user_agent = f"herdwick/{_version()}"
+        self._session: aiohttp.ClientSession | None = None
+        self._pipeline: _Pipeline | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def __aenter__(self) -> Delivery:
+        self._guard = ssrf.GuardedResolver(self._allow, base=self._resolver)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=DNS_CACHE_S,
+                                         resolver=self._guard)
+        self._session = aiohttp.ClientSession(
+            connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
+        self._pipeline = _Pipeline(self._client)
+        self._tasks = [asyncio.create_task(self._pipeline.run()),
+                       asyncio.create_task(self._report_successes())]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._flush_successes()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            await self._guard.close()  # the connector leaves a resolver it was given open
+
+    # --- the handler ---------------------------------------------------------------------
+
+    async def __call__(self, ctx: Context) -> dict[str, Any]:
+        url = self._checked_url(ctx.target)
+        origin = origin_of(url)
+        target = self._targets.get(origin)
+        if target is None:
+            target = self._targets[origin] = _Target(self._cap)
+        signing = await self._keys(ctx.tenant_id)
+        if target.waiting >= self._busy_after:
+            raise TargetBusy(BUSY_DEFER_S * random.uniform(1, 2), origin, self._cap)
+        probe = await self._admit(origin, target)  # last: a probe granted is a probe sent
+        target.waiting += 1
+        try:
+            await target.slots.acquire()
+        finally:
+            target.waiting -= 1
+        target.in_flight += 1
+        try:
+            return await self._post(ctx, url, origin, target, probe, signing)
+        finally:
+            target.in_flight -= 1
+            target.slots.release()
+
+    def _checked_url(self, ref: str) -> urllib.parse.SplitResult:
+        if not ref:
+            raise TargetRefused("the message carries no target URL (published by a "
+                                "scheduler older than this worker?)")
+        try:
+            ssrf.check_url(ref, self._allow)
+            url = urllib.parse.urlsplit(ref)
+            url.port  # noqa: B018 - raises ValueError for a bad port
+        except ssrf.TargetRefused as exc:
+            raise TargetRefused(str(exc)) from None
+        except ValueError as exc:
+            raise TargetRefused(f"not a usable URL: {exc}") from None
+        return url
+
+    async def _admit(self, origin: str, target: _Target) -> bool:
+        """Go, or raise CircuitOpen; True when this delivery is the half-open probe."""
+        now = time.monotonic()
+        if now < target.closed_until:
+            return False
+        probe_ms = round(self._breaker.window_s * 1000)
+        try:
+            wait_ms = await self._pipeline.submit_item(
+                ("FCALL", "hw_breaker_check", 1, self._base, probe_ms), origin)
+        except RedisError as exc:  # no breaker to ask: deliver (the attempt is fenced anyway)
+            log.warning("breaker_unavailable", target=origin, error=exc)
+            return False
+        wait_ms = int(wait_ms)
+        if wait_ms == 0:
+            target.closed_until = now + CLOSED_TRUST_S
+            return False
+        if wait_ms < 0:
+            log.info("breaker_probe", target=origin)
+            return True
+        wait_s = wait_ms / 1000
+        # Spread the deferred ones over the cool-down, so they don't come back as one herd.
+        raise CircuitOpen(wait_s + random.uniform(0, max(1.0, wait_s)), origin,
+                          f"next probe in {wait_s:.1f} s")
+
+    async def _keys(self, tenant_id: str) -> SigningKeys:
+        now = time.monotonic()
+        cached = self._secrets.get(tenant_id)
+        if cached is not None and cached[0] > now and cached[1] is not None:
+            return cached[1]
+        try:
+            raw = await self._pipeline.submit_item(("HMGET", self._signing), tenant_id)
+        except RedisError:
+            raw = None
+            if cached is not None and cached[1] is not None:
+                return cached[1]  # stale, but still the tenant's
+        found = None
+        if raw is not None:
+            try:
+                found = SigningKeys.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.error("signing_keys_malformed", tenant_id=tenant_id)
+        self._secrets[tenant_id] = (now + SECRETS_TTL_S, found)
+        if found is None:
+            raise SecretMissing(NO_SECRET_DEFER_S * random.uniform(1, 1.5), tenant_id)
+        return found
+
+    async def _post(self, ctx: Context, url: urllib.parse.SplitResult, origin: str,
+                    target: _Target, probe: bool, signing: SigningKeys) -> dict[str, Any]:
+        body = ctx.payload_json.encode()
+        now = time.time()
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": self._user_agent,
+            "Idempotency-Key": ctx.idempotency_key,
+            "Herdwick-Execution-Id": ctx.execution_id,
+            "Herdwick-Attempt": str(ctx.attempt),
+            "Herdwick-Scheduled-For": format_utc(ctx.scheduled_for),
+            "Herdwick-Signature": signature_header(signing.active(int(now * 1000)), body,
+                                                   int(now)),
+        }
+        timeout = aiohttp.ClientTimeout(total=max(0.1, ctx.timeout_s - TIMEOUT_MARGIN_S))
+        try:
+            async with self._session.post(url.geturl(), data=body, headers=headers,
+                                          allow_redirects=False, timeout=timeout) as response:
+                excerpt = await response.content.read(BODY_EXCERPT_BYTES)
+                status = response.status
+                reason = response.reason or ""
+                location = response.headers.get("Location")
+                retry_after = response.headers.get("Retry-After")
+        except ssrf.TargetRefused as exc:
+            raise TargetRefused(str(exc)) from None
+        except aiohttp.InvalidUrlClientError as exc:  # e.g. an allowed 2130706433-style host
+            raise TargetRefused(f"aiohttp cannot send to this URL: {exc}") from None
+        except TimeoutError:
+            raise self._failed(HttpError("timeout", f"no response within {ctx.timeout_s:g} s"),
+                               origin, target, probe) from None
+        except aiohttp.ClientConnectorError as exc:
+            refused = _refusal(exc)
+            if refused is not None:
+                raise TargetRefused(refused) from None
+            kind = "dns" if _is_dns(exc) else "connection"
+            raise self._failed(HttpError(kind, f"{kind} error: {exc}"),
+                               origin, target, probe) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise self._failed(HttpError("connection",
+                                         f"connection error: {type(exc).__name__}: {exc}"),
+                               origin, target, probe) from None
+        text = f"{status} {reason}".strip()
+        if 200 <= status < 300:
+            self._succeeded(origin, target, probe)
+            return {"status": status, "body": _excerpt(excerpt)}
+        if status in _RETRY_CLASS or status >= 500:
+            kind = _RETRY_CLASS.get(status, "server_error")
+            message = f"HTTP {text} ({kind}, retried): {_excerpt(excerpt)}"
+            after = retry_after_s(retry_after, time.time())
+            if after is not None:
+                raise self._failed(HttpRetryAfter(after, kind, message, status),
+                                   origin, target, probe)
+            raise self._failed(HttpError(kind, message, status), origin, target, probe)
+        self._succeeded(origin, target, probe)  # the target answered: it is up
+        if 300 <= status < 400:
+            raise HttpRejected("redirect", f"HTTP {text}: redirects are not followed "
+                                           f"(Location: {location})", status)
+        raise HttpRejected("client_error", f"HTTP {text} (dead-lettered: a 4xx other than "
+                                           f"408 and 429 is not retried): {_excerpt(excerpt)}",
+                           status)
+
+    # --- breaker reports -----------------------------------------------------------------
+
+    def _failed(self, error: Exception, origin: str, target: _Target,
+                probe: bool) -> Exception:
+        """A failure goes to Redis at once (it may open the breaker); stop trusting 'closed'.
+        A failed probe is a real attempt, and its error says it was the probe."""
+        target.closed_until = 0.0
+        self._report(origin, 0, 1, probe)
+        if probe:
+            error.error_details["probe"] = True
+        return error
+
+    def _succeeded(self, origin: str, target: _Target, probe: bool) -> None:
+        if probe:
+            self._report(origin, 1, 0, True)
+        else:
+            target.successes += 1
+
+    def _report(self, origin: str, successes: int, failures: int, probe: bool) -> None:
+        future = self._pipeline.submit_item(self._breaker.report_head(self._base),
+                                            origin, successes, failures, int(probe))
+        future.add_done_callback(lambda f: self._reported(origin, f))
+
+    def _reported(self, origin: str, future: asyncio.Future) -> None:
+        if future.cancelled():
+            return
+        if future.exception() is not None:
+            log.warning("breaker_report_failed", target=origin, error=future.exception())
+        elif int(future.result()) == 1:
+            target = self._targets.get(origin)
+            if target is not None:
+                target.closed_until = 0.0
+            log.info("breaker_open", target=origin)
+
+    async def _report_successes(self) -> None:
+        while True:
+            await asyncio.sleep(SUCCESS_FLUSH_S)
+            await self._flush_successes()
+
+    async def _flush_successes(self) -> None:
+        for origin, target in self._targets.items():
+            if target.successes:
+                self._report(origin, target.successes, 0, False)
+                target.successes = 0
+
+
+def _refusal(exc: aiohttp.ClientConnectorError) -> str | None:
+    cause = exc.os_error if hasattr(exc, "os_error") else None
+    for error in (exc, cause, getattr(exc, "__cause__", None)):
+        if isinstance(error, ssrf.TargetRefused):
+            return str(error)
+    return None
+
+
+def _is_dns(exc: aiohttp.ClientConnectorError) -> bool:
+    dns_error = getattr(aiohttp, "ClientConnectorDNSError", None)
+    return dns_error is not None and isinstance(exc, dns_error)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("herdwick")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+class HttpWorker:
+    """`herdwick http-worker`: a Worker on the pool `http` running Delivery."""
+
+    def __init__(self, redis_url: str | None = None, *, key_prefix: str | None = None,
+                 allow: Sequence[ssrf.Network] = (), concurrency: int = DEFAULT_CONCURRENCY,
+                 target_concurrency: int = DEFAULT_TARGET_CONCURRENCY,
+                 breaker: BreakerPolicy | None = None, lease_s: float | None = None,
+                 worker_id: str | None = None, redis: aioredis.Redis | None = None,
+                 resolver: aiohttp.abc.AbstractResolver | None = None) -> None:
+        if target_concurrency < 1:
+            raise ValueError("target_concurrency must be at least 1")
+        extra = {"lease_s": lease_s} if lease_s else {}
+        self.worker = Worker(redis_url, HTTP_POOL, concurrency, key_prefix=key_prefix,
+                             worker_id=worker_id, redis=redis, **extra)
+        self._given = redis
+        self._options = dict(allow=allow, concurrency=concurrency,
+                             target_concurrency=target_concurrency, breaker=breaker,
+                             resolver=resolver)
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        url, prefix = self.worker._resolve()
+        client = self._given or aioredis.from_url(url)
+        try:
+            async with Delivery(client, prefix, **self._options) as delivery:
+                self.worker.handler(delivery.__call__)
+                await self.worker.run(stop)
+        finally:
+            if self._given is None:
+                await client.aclose()
+
+    async def stop(self) -> None:
+        await self.worker.stop()
