@@ -145,10 +145,11 @@ def child_env(**settings: str) -> dict[str, str]:
     return {**os.environ, "HERDWICK_LOG_FORMAT": "text", **settings}
 
 
-async def spawn(args: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
-    """`python -m herdwick.cli ARGS`, its output merged into one pipe for a Child to drain."""
+async def spawn(args: list[str], env: dict[str, str],
+                module: str = "herdwick.cli") -> asyncio.subprocess.Process:
+    """`python -m MODULE ARGS`, its output merged into one pipe for a Child to drain."""
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "herdwick.cli", *args, env=env, stdin=asyncio.subprocess.DEVNULL,
+        sys.executable, "-m", module, *args, env=env, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         preexec_fn=dies_with_us())
 
@@ -157,10 +158,12 @@ class Child:
     """A herdwick child process. Its merged output drains into a short tail, so a full pipe
     never blocks it and a failure can say why; it counts as started at its `marker` line.
 
-    Subclasses name the command, the marker, the timeouts and the error to raise.
+    Subclasses name the command, the module it runs, the marker, the timeouts and the
+    error to raise.
     """
 
     command = "herdwick"
+    module = "herdwick.cli"
     marker = ""
     start_timeout_s = START_TIMEOUT_S
     stop_timeout_s = STOP_TIMEOUT_S
@@ -226,7 +229,7 @@ async def children(kind: type[Child], count: int, args: list[str],
     procs: list[Child] = []
     try:
         for _ in range(count):
-            procs.append(kind(await spawn(args, env)))
+            procs.append(kind(await spawn(args, env, kind.module)))
             await procs[-1].started()
         yield procs
     finally:
@@ -279,6 +282,62 @@ def worker_processes(count: int, app: str, redis_url: str, prefix: str, pool: st
                        WORKER_POOL_ENV: pool, WORKER_CONCURRENCY_ENV: str(concurrency),
                        WORKER_HANDLER_MS_ENV: repr(handler_ms)})
     return children(WorkerProcess, count, ["worker", app], env)
+
+
+class HttpWorkerProcess(Child):
+    """One `herdwick http-worker`."""
+
+    command = "herdwick http-worker"
+    marker = "event=worker_started"
+    stop_timeout_s = WORKER_STOP_TIMEOUT_S
+
+
+class ProfiledHttpWorkerProcess(HttpWorkerProcess):
+    """`herdwick http-worker` under cProfile (loadtest/profiled.py)."""
+
+    module = "herdwick.loadtest.profiled"
+
+
+def http_worker_processes(count: int, redis_url: str, prefix: str, allow: str,
+                          flags: list[str], profile_dir: str | None = None,
+                          ) -> contextlib.AbstractAsyncContextManager[list[HttpWorkerProcess]]:
+    """`count` processes of `herdwick http-worker FLAGS` on one prefix, allowed to reach
+    `allow` (HERDWICK_HTTP_ALLOW: loopback, for the load test's receivers); with
+    `profile_dir`, each under cProfile, its stats written there when it stops."""
+    env = child_env(HERDWICK_REDIS_URL=redis_url, HERDWICK_KEY_PREFIX=prefix,
+                    HERDWICK_HTTP_ALLOW=allow)
+    args = ["http-worker", *flags]
+    if profile_dir is None:
+        return children(HttpWorkerProcess, count, args, env)
+    return children(ProfiledHttpWorkerProcess, count, [profile_dir, "herdwick.cli", *args], env)
+
+
+class ReceiverProcess(Child):
+    """One `python -m herdwick.loadtest.receiver`: a local HTTP server answering 200."""
+
+    command = "loadtest receiver"
+    module = "herdwick.loadtest.receiver"
+    marker = "event=receiver_listening"
+    stop_timeout_s = API_STOP_TIMEOUT_S
+
+
+def record_path(record_dir: str, port: int) -> str:
+    """Where the receiver on `port` writes what it saw when it stops."""
+    return os.path.join(record_dir, f"receiver-{port}.bin")
+
+
+@contextlib.asynccontextmanager
+async def receiver_processes(ports: list[int],
+                             record_dir: str) -> AsyncIterator[list[ReceiverProcess]]:
+    """A receiver on each port, each up before the next; on the way out each stops and
+    writes its record (record_path) in `record_dir`."""
+    async with contextlib.AsyncExitStack() as stack:
+        procs: list[ReceiverProcess] = []
+        for port in ports:
+            procs += await stack.enter_async_context(children(
+                ReceiverProcess, 1, ["--port", str(port), "--record",
+                                     record_path(record_dir, port)], child_env()))
+        yield procs
 
 
 class ApiProcess(Child):
