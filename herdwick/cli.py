@@ -212,10 +212,21 @@ def _loadtest_parser(sub: argparse._SubParsersAction, logging_: argparse.Argumen
                     "share and quota, Jain's index over the quiet tenants, the ready "
                     "stream's length and Redis memory. --fair off for first-in "
                     "first-out dispatch.")
+    http = actions.add_parser(
+        "http", parents=[logging_],
+        help="http jobs through `herdwick http-worker` to local receivers: callbacks/s, "
+             "lag, breakers",
+        description="A herd of http jobs due in one second (--jobs), a steady rate or both, "
+                    "split over --targets local receivers (--down-targets of them refuse "
+                    "connections), through `herdwick scheduler` and `herdwick http-worker` "
+                    "processes; reports callbacks/s until every healthy job succeeded in "
+                    "Postgres, due->arrival and due->lease lag, the attempts burned and "
+                    "deferred on down targets, and CPU by process kind per 1,000 callbacks.")
     if not flags:
         return
     from herdwick.loadtest.e2e import add_arguments as e2e_arguments
     from herdwick.loadtest.herd import add_arguments as herd_arguments
+    from herdwick.loadtest.http import add_arguments as http_arguments
     from herdwick.loadtest.noisy import add_arguments as noisy_arguments
     from herdwick.loadtest.submit import add_arguments as submit_arguments
 
@@ -223,6 +234,7 @@ def _loadtest_parser(sub: argparse._SubParsersAction, logging_: argparse.Argumen
     herd_arguments(herd)
     e2e_arguments(e2e)
     noisy_arguments(noisy)
+    http_arguments(http)
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -451,6 +463,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         from herdwick.loadtest import e2e as action
     elif args.loadtest_command == "noisy-neighbour":
         from herdwick.loadtest import noisy as action
+    elif args.loadtest_command == "http":
+        from herdwick.loadtest import http as action
     else:
         from herdwick.loadtest import herd as action
     try:

@@ -36,6 +36,7 @@ class Background:
         self._expect = expect
         self.made = 0
         self.late_max_s = 0.0  # how far the inserts fell behind their schedule
+        self.last_due: datetime | None = None  # of the last job made
 
     async def run(self) -> None:
         start_perf, start_wall = time.perf_counter(), datetime.now(UTC)
@@ -57,6 +58,8 @@ class Background:
             per_tenant[(self.made + j) % len(self._tenants)].append(
                 self._factory.make(self.made + j, due, now))
         self.made += count
+        if count:
+            self.last_due = due0 + timedelta(seconds=TICK_S * (count - 1) / count)
         if self._expect is not None:
             for t, jobs in per_tenant.items():
                 self._expect(self._tenants[t], jobs)

@@ -12,7 +12,7 @@ import asyncio
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
 import msgspec
@@ -21,6 +21,7 @@ from herdwick.gateway.submit import prepare
 from herdwick.ids import shard_of, uuid7
 from herdwick.loadtest.driver import RunFailed
 from herdwick.model import JobSpec, Schedule, Target, TenantSpec
+from herdwick.ssrf import Network
 from herdwick.storage.db import Database
 from herdwick.storage.jobs import NewJob, due_minute, insert_jobs
 from herdwick.storage.tenants import create_tenant
@@ -72,15 +73,20 @@ async def create_tenants_of(db: Database, specs: list[TenantSpec]) -> list[Tenan
 
 
 class JobFactory:
-    """NewJobs from one template per pool, each prepared by the gateway's own `prepare`.
+    """NewJobs from one template per pool (then one per http URL), each prepared by the
+    gateway's own `prepare`; job i takes template i modulo their number.
 
     A job differs from its template only in id, shard and due time, so the rows
-    are what the gateway would insert for the same body.
+    are what the gateway would insert for the same body. `allow` is the gateway's
+    HERDWICK_HTTP_ALLOW, which the URLs must pass.
     """
 
-    def __init__(self, pools: list[str]) -> None:
+    def __init__(self, pools: Sequence[str] = (), *, urls: Sequence[str] = (),
+                 allow: tuple[Network, ...] = ()) -> None:
         now = datetime.now(UTC)
-        self._templates = [_template(pool, now) for pool in pools]
+        self._templates = [_template(Target(type="queue", ref=pool), now, ()) for pool in pools]
+        self._templates += [_template(Target(type="http", ref=url), now, allow, "loadtest-http")
+                            for url in urls]
 
     def make(self, index: int, due: datetime, now: datetime) -> NewJob:
         job_id = uuid7(now)
@@ -88,10 +94,11 @@ class JobFactory:
                                        job_id=job_id, shard_id=shard_of(job_id), next_run_at=due)
 
 
-def _template(pool: str, now: datetime) -> NewJob:
-    spec = JobSpec(name="loadtest-herd", target=Target(type="queue", ref=pool),
-                   schedule=Schedule(delay_seconds=60), payload=msgspec.Raw(PAYLOAD))
-    prepared = prepare(spec, now=now, allow=())
+def _template(target: Target, now: datetime, allow: tuple[Network, ...],
+              name: str = "loadtest-herd") -> NewJob:
+    spec = JobSpec(name=name, target=target, schedule=Schedule(delay_seconds=60),
+                   payload=msgspec.Raw(PAYLOAD))
+    prepared = prepare(spec, now=now, allow=allow)
     if prepared.job is None:
         raise RunFailed(f"the job template does not validate: {prepared.errors}")
     return prepared.job

@@ -198,6 +198,67 @@ class CpuProbe:
         return found
 
 
+class KindsCpu(msgspec.Struct, frozen=True, kw_only=True):
+    """CPU seconds by kind of process over a window, and what the machine did meanwhile."""
+
+    window_s: float
+    seconds: dict[str, float]  # kind -> user + system seconds; a kind not measurable is absent
+    machine_busy_share: float  # of every CPU over the window, all processes
+
+    def per_1000(self, count: int) -> dict[str, float]:
+        return {kind: round(s * 1000 / count, 3) if count else 0.0
+                for kind, s in self.seconds.items()}
+
+
+class KindsProbe:
+    """CPU seconds of processes grouped by kind ("http-worker": [pids], ...), plus this
+    process ("harness") and, through a CpuProbe, the Postgres processes of `database`.
+
+    A process that is gone at a read (or that psutil may not read) counts 0 from then:
+    the kinds are the run's own children and servers that outlive the run.
+    """
+
+    def __init__(self, kinds: dict[str, list[int]], database: str | None) -> None:
+        self._kinds = {kind: [p for p in (_process(pid) for pid in pids) if p is not None]
+                       for kind, pids in kinds.items()}
+        self._pg = CpuProbe(database=database, postgres=database is not None)
+
+    def read(self) -> tuple[float, dict[str, float], CpuSample]:
+        by_kind = {kind: sum(_cpu_or_0(p) for p in procs)
+                   for kind, procs in self._kinds.items() if procs}
+        return time.perf_counter(), by_kind, self._pg.read()
+
+    @staticmethod
+    def between(start: tuple[float, dict[str, float], CpuSample],
+                end: tuple[float, dict[str, float], CpuSample]) -> KindsCpu:
+        (t0, kinds0, pg0), (t1, kinds1, pg1) = start, end
+        seconds = {kind: round(s - kinds0.get(kind, 0.0), 3) for kind, s in kinds1.items()}
+        if pg0.postgres_s is not None and pg1.postgres_s is not None:
+            seconds["postgres"] = round(sum(s - pg0.postgres_s.get(pid, 0.0)
+                                            for pid, s in pg1.postgres_s.items()), 3)
+        seconds["harness"] = round(pg1.loadgen_s - pg0.loadgen_s, 3)
+        window = t1 - t0
+        busy = (pg1.machine_busy_s - pg0.machine_busy_s) / ((os.cpu_count() or 1) * window)
+        return KindsCpu(window_s=round(window, 3), seconds=seconds,
+                        machine_busy_share=round(busy, 3))
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        process = psutil.Process(pid)
+        process.cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return process
+
+
+def _cpu_or_0(process: psutil.Process) -> float:
+    try:
+        return cpu_s(process.cpu_times())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0.0
+
+
 # The titles of the postmaster and its shared processes (not client backends).
 _SHARED = re.compile(r"bin/postgres|: (checkpointer|background writer|walwriter|"
                      r"autovacuum launcher|logical replication launcher|archiver|"

@@ -67,11 +67,15 @@ def uuid7_floor(at: datetime) -> uuid.UUID:
 class Outcomes:
     """What Postgres says has succeeded, herd and steady apart; polled by until_done.
 
-    `steady_jobs` is None until the generator has made its last job.
+    `steady_jobs` is None until the generator has made its last job; `steady_of` says
+    how many of the generator's first n jobs are to succeed (all of them unless some
+    cannot: loadtest http's jobs for targets that are down).
     """
 
-    def __init__(self, db: Database, herd_jobs: int, steady_from: uuid.UUID) -> None:
+    def __init__(self, db: Database, herd_jobs: int, steady_from: uuid.UUID,
+                 steady_of: Callable[[int], int] = lambda made: made) -> None:
         self._db, self._steady_from = db, steady_from
+        self.steady_of = steady_of
         self.herd_jobs = herd_jobs
         self.steady_jobs: int | None = None
         self.herd = self.steady = 0
@@ -105,7 +109,7 @@ async def until_done(outcomes: Outcomes, sampler: StreamSampler, background: Bac
             outcomes.steady_jobs = 0
         elif generator.done():
             alive()  # a generator that failed made fewer jobs than it should have
-            outcomes.steady_jobs = background.made
+            outcomes.steady_jobs = outcomes.steady_of(background.made)
         made = None if outcomes.steady_jobs is None else outcomes.herd_jobs + outcomes.steady_jobs
         if (made is not None and await sampler.delivered() >= made) or \
                 time.perf_counter() - polled >= UNDELIVERED_POLL_S:
