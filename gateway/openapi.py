@@ -247,8 +247,11 @@ def _targets(components: dict) -> None:
         "type": {"const": "http"},
         "ref": {**ref, "pattern": HTTP_REF_PATTERN, "description": (
             "an http(s) URL with a host, no spaces or control characters and a port up to "
-            "65535; a private, loopback or link-local address (localhost too) is refused "
-            "unless HERDWICK_HTTP_ALLOW lists it")},
+            "65535, to which herdwick POSTs the payload, signed (Herdwick-Signature). A host "
+            "that is, or resolves to, an address that is not globally routable (private, "
+            "loopback, link-local, shared, multicast, unspecified, reserved; localhost too; "
+            "IPv4 in any spelling, IPv6 forms carrying one) or a cloud metadata address is "
+            "refused unless HERDWICK_HTTP_ALLOW lists it: at submit, and again at delivery")},
     }, ("type", "ref"))
     components["Target"] = {
         "title": "Target", "description": "Where a job's executions go.",
