@@ -27,10 +27,10 @@ from typing import Any
 import aiohttp
 import msgspec
 import redis.asyncio as aioredis
+import yarl
 from redis.exceptions import RedisError
 
 from herdwick import logs, ssrf
-from herdwick.schedule import format_utc
 from herdwick.signing import SigningKeys, signature_header
 from herdwick.storage import keys
 from herdwick.worker import Context, Defer, Permanent, RetryAfter, Worker, _Pipeline
@@ -45,10 +45,16 @@ CLOSED_TRUST_S = 1.0  # a closed breaker is believed this long before asking aga
 SUCCESS_FLUSH_S = 1.0  # successes are counted locally and reported this often
 SECRETS_TTL_S = 5.0  # a tenant's signing keys are re-read this often (rotation lands)
 NO_SECRET_DEFER_S = 5.0  # no keys in Redis yet (it restarted; the scheduler restores them)
-BUSY_DEFER_S = 1.0  # a target holding half the worker's slots: put off, not queued here
+# A slow target may hold at most a quarter of the worker's slots waiting for its cap, and
+# only while a slot would take longer than BUSY_WAIT_S to free: past that its deliveries are
+# put off (BUSY_DEFER_S), so other targets keep slots. A fast target's herd just waits.
+BUSY_WAIT_S = 1.0
+BUSY_DEFER_S = 1.0
+LATENCY_WEIGHT = 0.1  # of each request in a target's smoothed latency
 TIMEOUT_MARGIN_S = 0.05  # the request gives up before the SDK's handler timeout
 MAX_RETRY_AFTER_S = 24 * 3600.0
 DNS_CACHE_S = 10
+URL_CACHE_SIZE = 10_000  # target URLs whose checks are remembered
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,9 +114,10 @@ class CircuitOpen(Defer):
 
 
 class TargetBusy(Defer):
-    def __init__(self, seconds: float, origin: str, cap: int) -> None:
-        super().__init__(seconds, f"{origin} already has {cap} deliveries in flight and as "
-                                  "many waiting here; deferred without using an attempt")
+    def __init__(self, seconds: float, origin: str, cap: int, wait_s: float) -> None:
+        super().__init__(seconds, f"{origin} is slow: {cap} deliveries in flight, and a slot "
+                                  f"would free in about {wait_s:.1f} s; deferred without "
+                                  "using an attempt")
         self.error_details = {"class": "target_busy", "target": origin}
 
 
@@ -154,7 +161,7 @@ _RETRY_CLASS = {408: "request_timeout", 429: "rate_limited"}
 class _Target:
     """What this process knows of one origin: its breaker as last seen, its slots."""
 
-    __slots__ = ("closed_until", "in_flight", "slots", "successes", "waiting")
+    __slots__ = ("closed_until", "in_flight", "latency_s", "slots", "successes", "waiting")
 
     def __init__(self, cap: int) -> None:
         self.closed_until = 0.0  # monotonic: believe the breaker closed until then
@@ -162,6 +169,7 @@ class _Target:
         self.waiting = 0
         self.slots = asyncio.Semaphore(cap)
         self.successes = 0  # not yet reported
+        self.latency_s = 0.0  # smoothed, of its requests (0: none yet)
 
 
 class Delivery:
@@ -178,11 +186,12 @@ class Delivery:
         self._base = keys.pool_base(prefix, HTTP_POOL)
         self._signing = keys.signing_hash(prefix)
         self._allow = tuple(allow)
-        self._busy_after = max(1, concurrency // 2)
+        self._busy_after = max(1, concurrency // 4)
         self._cap = target_concurrency
         self._breaker = breaker or BreakerPolicy()
         self._resolver = resolver
         self._targets: dict[str, _Target] = {}
+        self._urls: dict[str, tuple[yarl.URL, str] | TargetRefused] = {}
         self._secrets: dict[str, tuple[float, SigningKeys | None]] = {}
         self._user_agent = f"herdwick/{_version()}"
         self._session: aiohttp.ClientSession | None = None
@@ -213,40 +222,64 @@ class Delivery:
     # --- the handler ---------------------------------------------------------------------
 
     async def __call__(self, ctx: Context) -> dict[str, Any]:
-        url = self._checked_url(ctx.target)
-        origin = origin_of(url)
+        url, origin = self._checked_url(ctx.target)
         target = self._targets.get(origin)
         if target is None:
             target = self._targets[origin] = _Target(self._cap)
-        signing = await self._keys(ctx.tenant_id)
+        cached = self._secrets.get(ctx.tenant_id)
+        if cached is not None and cached[1] is not None and cached[0] > time.monotonic():
+            signing = cached[1]
+        else:
+            signing = await self._keys(ctx.tenant_id)
         if target.waiting >= self._busy_after:
-            raise TargetBusy(BUSY_DEFER_S * random.uniform(1, 2), origin, self._cap)
-        probe = await self._admit(origin, target)  # last: a probe granted is a probe sent
+            wait_s = target.waiting * target.latency_s / self._cap
+            if wait_s > BUSY_WAIT_S:
+                raise TargetBusy(BUSY_DEFER_S * random.uniform(1, 2), origin, self._cap, wait_s)
+        # last: a probe granted is a probe sent
+        probe = False if time.monotonic() < target.closed_until else \
+            await self._admit(origin, target)
         target.waiting += 1
         try:
             await target.slots.acquire()
         finally:
             target.waiting -= 1
         target.in_flight += 1
+        sent = time.monotonic()
         try:
             return await self._post(ctx, url, origin, target, probe, signing)
         finally:
+            took = time.monotonic() - sent
+            target.latency_s += LATENCY_WEIGHT * (took - target.latency_s) if target.latency_s \
+                else took
             target.in_flight -= 1
             target.slots.release()
 
-    def _checked_url(self, ref: str) -> urllib.parse.SplitResult:
+    def _checked_url(self, ref: str) -> tuple[yarl.URL, str]:
+        """The URL to send to and its origin, or TargetRefused. Remembered: the checks of
+        a literal address depend on nothing but the URL and the allow list."""
+        checked = self._urls.get(ref)
+        if checked is None:
+            if len(self._urls) >= URL_CACHE_SIZE:
+                self._urls.clear()
+            checked = self._urls[ref] = self._check_url(ref)
+        if isinstance(checked, TargetRefused):
+            raise TargetRefused(str(checked))
+        return checked
+
+    def _check_url(self, ref: str) -> tuple[yarl.URL, str] | TargetRefused:
         if not ref:
-            raise TargetRefused("the message carries no target URL (published by a "
-                                "scheduler older than this worker?)")
+            return TargetRefused("the message carries no target URL (published by a "
+                                 "scheduler older than this worker?)")
         try:
             ssrf.check_url(ref, self._allow)
-            url = urllib.parse.urlsplit(ref)
-            url.port  # noqa: B018 - raises ValueError for a bad port
+            split = urllib.parse.urlsplit(ref)
+            split.port  # noqa: B018 - raises ValueError for a bad port
+            url = yarl.URL(ref)
         except ssrf.TargetRefused as exc:
-            raise TargetRefused(str(exc)) from None
+            return TargetRefused(str(exc))
         except ValueError as exc:
-            raise TargetRefused(f"not a usable URL: {exc}") from None
-        return url
+            return TargetRefused(f"not a usable URL: {exc}")
+        return url, origin_of(split)
 
     async def _admit(self, origin: str, target: _Target) -> bool:
         """Go, or raise CircuitOpen; True when this delivery is the half-open probe."""
@@ -294,7 +327,7 @@ class Delivery:
             raise SecretMissing(NO_SECRET_DEFER_S * random.uniform(1, 1.5), tenant_id)
         return found
 
-    async def _post(self, ctx: Context, url: urllib.parse.SplitResult, origin: str,
+    async def _post(self, ctx: Context, url: yarl.URL, origin: str,
                     target: _Target, probe: bool, signing: SigningKeys) -> dict[str, Any]:
         body = ctx.payload_json.encode()
         now = time.time()
@@ -304,13 +337,14 @@ class Delivery:
             "Idempotency-Key": ctx.idempotency_key,
             "Herdwick-Execution-Id": ctx.execution_id,
             "Herdwick-Attempt": str(ctx.attempt),
-            "Herdwick-Scheduled-For": format_utc(ctx.scheduled_for),
+            # the key is job_id:scheduled_for, with scheduled_for as the stream has it
+            "Herdwick-Scheduled-For": ctx.idempotency_key[len(ctx.job_id) + 1:],
             "Herdwick-Signature": signature_header(signing.active(int(now * 1000)), body,
                                                    int(now)),
         }
         timeout = aiohttp.ClientTimeout(total=max(0.1, ctx.timeout_s - TIMEOUT_MARGIN_S))
         try:
-            async with self._session.post(url.geturl(), data=body, headers=headers,
+            async with self._session.post(url, data=body, headers=headers,
                                           allow_redirects=False, timeout=timeout) as response:
                 excerpt = await response.content.read(BODY_EXCERPT_BYTES)
                 status = response.status

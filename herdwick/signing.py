@@ -11,7 +11,6 @@ and receivers check with `verify_signature` (importable as `herdwick.verify_sign
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import time
 from collections.abc import Sequence
@@ -64,7 +63,7 @@ _decoder = msgspec.json.Decoder(SigningKeys)
 
 def _digest(secret: str, body: bytes, timestamp: str) -> str:
     signed = timestamp.encode() + b"." + body
-    return hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
+    return hmac.digest(secret.encode(), signed, "sha256").hex()  # OpenSSL's one-shot: fast
 
 
 def _raw(body: bytes | bytearray | memoryview | str) -> bytes:

@@ -124,7 +124,10 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def parse(cls, message_id: bytes | str, raw: dict | None) -> _Message | None:
-        fields = {_text(k): _text(v) for k, v in (raw or {}).items()}
+        try:  # bytes, as the worker's client returns them: decoded without a call each
+            fields = {k.decode(): v.decode() for k, v in (raw or {}).items()}
+        except AttributeError:
+            fields = {_text(k): _text(v) for k, v in raw.items()}
         try:
             return cls(message_id=_text(message_id), execution_id=fields["execution_id"],
                        attempt=int(fields["attempt"]), fields=fields)

@@ -428,3 +428,57 @@ async def test_a_killed_http_worker_s_delivery_is_retried_with_the_same_idempote
     assert second.headers["Idempotency-Key"] == first.headers["Idempotency-Key"]
     assert second.headers["Herdwick-Attempt"] == "2"
     assert [a["outcome"] for a in done["attempts"]] == ["expired", "succeeded"]
+
+
+async def test_a_slow_target_s_surplus_is_deferred_so_it_cannot_hold_every_slot(
+        api, schedulers, redis_client, key_prefix, clock) -> None:
+    class Slow(Receiver):
+        async def handle(self, request: web.Request) -> web.StreamResponse:
+            await asyncio.sleep(0.3)
+            return await super().handle(request)
+
+    async with serving(Slow()) as slow:
+        first = await submit(api, **http_job(slow.url, name="first"))
+        node = await schedulers()
+        # One request at a time to it, 8 slots: once it is known to take 0.3 s a request,
+        # more than 3 waiting for it would wait over a second.
+        async with http_worker(redis_client, key_prefix, concurrency=8, target_concurrency=1):
+            await run_due(node, clock)
+            await settled(api, node, first["jobId"], {"succeeded"})
+            jobs = [await submit(api, **http_job(slow.url, name=f"slow-{i}")) for i in range(8)]
+            await run_due(node, clock)
+            seen: list[dict] = []
+            for _ in range(40):
+                await node.settle_events()
+                seen = [await execution_of(api, j["jobId"]) for j in jobs]
+                if any(a["outcome"] == "deferred" for e in seen for a in e["attempts"]):
+                    break
+                await asyncio.sleep(0.1)
+    deferred = [e for e in seen if any(a["outcome"] == "deferred" for a in e["attempts"])]
+    assert deferred, seen
+    assert all(e["error"]["class"] == "target_busy" for e in deferred
+               if e["state"] == "retry_wait")
+
+
+async def test_without_the_tenant_s_secret_in_redis_deliveries_wait_for_the_sync(
+        api, schedulers, receiver, redis_client, key_prefix, clock) -> None:
+    from herdwick.actors.base import sync
+    from herdwick.actors.maintenance import SyncSigning
+    from herdwick.storage import keys
+
+    await redis_client.delete(keys.signing_hash(key_prefix))  # Redis lost it, say
+    job = await submit(api, **http_job(receiver.url))
+    node = await schedulers()
+    await redis_client.delete(keys.signing_hash(key_prefix))  # and the start's sync too
+    async with http_worker(redis_client, key_prefix):
+        await run_due(node, clock)
+        waiting = await settled(api, node, job["jobId"], {"retry_wait"})
+        assert waiting["error"]["class"] == "secret_missing"
+        assert waiting["attempts"][0]["outcome"] == "deferred"
+        assert receiver.got == []  # nothing goes out unsigned
+        await node.maintenance.send(SyncSigning())
+        await sync(node.maintenance)
+        await run_due(node, clock, 10)  # past the deferral
+        done = await settled(api, node, job["jobId"], {"succeeded"})
+    assert done["attempt"] == 2
+    assert len(receiver.got) == 1
