@@ -347,6 +347,50 @@ async def test_the_banner_prints_the_redis_url_and_a_worker_command_that_works(
         await asyncio.wait_for(worker.wait(), WAIT_S)
 
 
+async def test_dev_delivers_an_http_job_signed_with_the_tenant_s_secret(
+        start_dev, external) -> None:
+    import json
+
+    from aiohttp import web
+
+    import herdwick
+
+    got: list[tuple[dict, bytes]] = []
+    arrived = asyncio.Event()
+
+    async def hook(request: web.Request) -> web.Response:
+        got.append((dict(request.headers), await request.read()))
+        arrived.set()
+        return web.Response(text="thanks")
+
+    app = web.Application()
+    app.router.add_post("/hook", hook)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        dev = await start_dev(**external, HERDWICK_HTTP_ALLOW="127.0.0.0/8")
+        banner = await dev.banner()
+        token = banner.values["admin token"]
+        tenant = banner.values["dev tenant"]
+        status, rotated = await _status(dev.url, f"/v1/tenants/{tenant}:rotate-secret",
+                                        token=token, json={"overlapSeconds": 0})
+        assert status == 200, rotated
+        status, job = await _status(
+            dev.url, "/v1/jobs", token=banner.values["API key"],
+            json=_job(target={"type": "http", "ref": f"http://127.0.0.1:{port}/hook"},
+                      schedule={"delaySeconds": 0}))
+        assert status == 201, job
+        await asyncio.wait_for(arrived.wait(), WAIT_S)
+    finally:
+        await runner.cleanup()
+    headers, body = got[0]
+    assert json.loads(body) == {"hi": 1}
+    herdwick.verify_signature(rotated["signingSecret"], headers["Herdwick-Signature"], body)
+
+
 # -- stopping ------------------------------------------------------------------------------
 
 
