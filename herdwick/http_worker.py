@@ -113,6 +113,16 @@ class CircuitOpen(Defer):
         self.error_details = {"class": "circuit_open", "target": origin}
 
 
+class TargetMissing(Defer):
+    """An entry published before streams carried the URL (library 13): put off, so that the
+    scheduler publishes the next attempt, which carries it."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0, "the ready entry carries no target URL (published by an "
+                              "older herdwick); deferred, to come back with it")
+        self.error_details = {"class": "target_missing"}
+
+
 class TargetBusy(Defer):
     def __init__(self, seconds: float, origin: str, cap: int, wait_s: float) -> None:
         super().__init__(seconds, f"{origin} is slow: {cap} deliveries in flight, and a slot "
@@ -222,6 +232,8 @@ class Delivery:
     # --- the handler ---------------------------------------------------------------------
 
     async def __call__(self, ctx: Context) -> dict[str, Any]:
+        if not ctx.target:
+            raise TargetMissing()
         url, origin = self._checked_url(ctx.target)
         target = self._targets.get(origin)
         if target is None:
@@ -267,9 +279,6 @@ class Delivery:
         return checked
 
     def _check_url(self, ref: str) -> tuple[yarl.URL, str] | TargetRefused:
-        if not ref:
-            return TargetRefused("the message carries no target URL (published by a "
-                                 "scheduler older than this worker?)")
         try:
             ssrf.check_url(ref, self._allow)
             split = urllib.parse.urlsplit(ref)

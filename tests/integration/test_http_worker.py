@@ -482,3 +482,37 @@ async def test_without_the_tenant_s_secret_in_redis_deliveries_wait_for_the_sync
         done = await settled(api, node, job["jobId"], {"succeeded"})
     assert done["attempt"] == 2
     assert len(receiver.got) == 1
+
+
+async def test_an_entry_without_a_url_is_deferred_to_come_back_with_one(
+        redis_client, key_prefix) -> None:
+    import uuid
+
+    import msgspec
+
+    from herdwick.storage import keys
+    from herdwick.storage.hot import HotTier, ReadyExecution
+
+    hot = HotTier(redis_client, key_prefix)
+    await hot.load_functions()
+    await hot.ensure_group("http")
+    # As a scheduler of library 12 published it: no `target` field.
+    execution = ReadyExecution(execution_id=str(uuid.uuid4()), attempt=1,
+                               job_id=str(uuid.uuid4()), tenant_id=str(uuid.uuid4()),
+                               scheduled_for="2026-12-04T00:00:00Z", payload="{}",
+                               timeout_seconds=30, max_attempts=1)
+    assert await hot.publish({"http": [execution]}) == 1
+    events = keys.events_stream(key_prefix, "http")
+    async with http_worker(redis_client, key_prefix):
+        failed = None
+        for _ in range(100):
+            for _, fields in await redis_client.xrange(events):
+                got = msgspec.json.decode(fields[b"e"])
+                failed = next((e for e in (got if isinstance(got, list) else [got])
+                               if e["type"] == "failed"), failed)
+            if failed:
+                break
+            await asyncio.sleep(0.05)
+    assert failed is not None
+    assert (failed["outcome"], failed["deferred"]) == ("retry", "1")  # not dead at attempt 1
+    assert json.loads(failed["error"])["class"] == "target_missing"
