@@ -72,6 +72,7 @@ from herdwick.loadtest.jobs import (
 )
 from herdwick.loadtest.measure import (
     KindsCpu,
+    KindsMark,
     KindsProbe,
     Lag,
     RedisMemory,
@@ -210,6 +211,7 @@ class Report(msgspec.Struct, kw_only=True):
     steady: Steady | None
     targets: list[TargetFigures]
     cpu: KindsCpu  # from just before the move (or the steady start) until drained
+    drain_cpu: KindsCpu  # from the due second until drained (the herd's shard loads left out)
     cpu_per_1000_callbacks: dict[str, float]
     streams: StreamSamples
     redis_memory: RedisMemory
@@ -370,6 +372,7 @@ class _Window:
     outcomes: Outcomes
     background: Background
     cpu: KindsCpu
+    drain_cpu: KindsCpu
     targets: dict[str, dict]  # url -> its executions' and attempts' counts
     lease_lag: tuple[list[float], int] | None
     history: History
@@ -426,8 +429,11 @@ async def _drain(plan: Plan, db: Database, dsn: str,
                             HotTier(client, prefix), tenants, factory)
     outcomes = Outcomes(db, plan.healthy_of(plan.jobs), steady_from, plan.healthy_of)
     progress.set("http", outcomes.detail)
-    await drain(outcomes, sampler, background, plan.rate, procs, deadline)
-    cpu = KindsProbe.between(start, probe.read())
+    async with running(_mark_at(probe, due, start), "the due-time CPU mark") as at_due:
+        await drain(outcomes, sampler, background, plan.rate, procs, deadline)
+    end = probe.read()
+    cpu = KindsProbe.between(start, end)
+    drain_cpu = KindsProbe.between(at_due.result() if at_due.done() else start, end)
     await sampler.sample()  # the last one when all have succeeded: what is left behind
     async with db.connection() as conn:
         executions = {r["target"]: dict(r) for r in await conn.fetch(_TARGETS)}
@@ -437,9 +443,18 @@ async def _drain(plan: Plan, db: Database, dsn: str,
     targets = {url: {**executions.get(url, {}), **attempts.get(url, {})}
                for url in {*executions, *attempts}}
     return _Window(due=due, outcomes=outcomes, background=background, cpu=cpu,
-                   targets=targets, history=await history_of(db), sampler=sampler,
+                   drain_cpu=drain_cpu, targets=targets, history=await history_of(db),
+                   sampler=sampler,
                    lease_lag=None if lease is None or lease["lag_ms"] is None
                    else ([float(v) for v in lease["lag_ms"]], lease["started"]))
+
+
+async def _mark_at(probe: KindsProbe, due: datetime | None, start: KindsMark) -> KindsMark:
+    """The CPU mark at the due second (the start's without a herd): the drain's window."""
+    if due is None:
+        return start
+    await asyncio.sleep(max(0.0, due.timestamp() - time.time()))
+    return probe.read()
 
 
 def _lag_ms(pairs: list[tuple[float, float]]) -> list[float]:
@@ -487,6 +502,7 @@ def _report(plan: Plan, load: float, w: _Window, urls: list[str],
         callbacks_per_s=None if after_due is None else round(o.herd_jobs / after_due),
         arrival_lag=lag_of(herd_lags) if herd_lags else None, lease_lag_ms=lease,
         steady=_steady(plan, w, steady_lags), targets=targets, cpu=w.cpu,
+        drain_cpu=w.drain_cpu,
         cpu_per_1000_callbacks=w.cpu.per_1000(callbacks), streams=w.sampler.streams(),
         redis_memory=w.sampler.memory(), history=w.history, profiles=profiles)
 
@@ -530,12 +546,19 @@ def _target_lines(t: TargetFigures) -> list[str]:
 
 
 def _cpu_lines(r: Report) -> list[str]:
-    c = r.cpu
+    c, d = r.cpu, r.drain_cpu
     kinds = "  ".join(f"{k} {s:.2f}" for k, s in c.seconds.items())
     per = "  ".join(f"{k} {s:.3f}" for k, s in r.cpu_per_1000_callbacks.items())
+    drained = "  ".join(f"{k} {s / d.window_s:.2f}"
+                        + (f" (+{d.runqueue_wait_s[k] / d.window_s:.2f} waiting)"
+                           if k in d.runqueue_wait_s else "")
+                        for k, s in d.seconds.items())
     return [f"  CPU seconds over {c.window_s:.1f} s from the move until drained (machine "
-            f"{c.machine_busy_share:.0%} busy): {kinds}",
-            f"    per 1,000 callbacks: {per}"]
+            f"{c.machine_busy_share:.0%} busy, {c.others_s:.2f} s of it not this run's): "
+            f"{kinds}",
+            f"    per 1,000 callbacks: {per}",
+            f"  cores in use over the {d.window_s:.1f} s from due until drained (machine "
+            f"{d.machine_busy_share:.0%} busy), and waiting for one: {drained}"]
 
 
 def render_text(r: Report) -> str:

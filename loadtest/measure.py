@@ -203,11 +203,25 @@ class KindsCpu(msgspec.Struct, frozen=True, kw_only=True):
 
     window_s: float
     seconds: dict[str, float]  # kind -> user + system seconds; a kind not measurable is absent
+    # kind -> seconds its threads were runnable but waited for a CPU (Linux schedstat;
+    # absent elsewhere): a kind whose seconds and wait add up to the window wanted a
+    # whole core and was short of one.
+    runqueue_wait_s: dict[str, float]
     machine_busy_share: float  # of every CPU over the window, all processes
+    # The machine's busy seconds less the kinds' (the kernel's own work included): another
+    # user's tests show here, and make every other figure of the run suspect.
+    others_s: float
 
     def per_1000(self, count: int) -> dict[str, float]:
         return {kind: round(s * 1000 / count, 3) if count else 0.0
                 for kind, s in self.seconds.items()}
+
+
+class KindsMark(msgspec.Struct, frozen=True):
+    at: float  # time.perf_counter()
+    cpu_s: dict[str, float]
+    wait_s: dict[str, float]
+    sample: CpuSample
 
 
 class KindsProbe:
@@ -223,24 +237,45 @@ class KindsProbe:
                        for kind, pids in kinds.items()}
         self._pg = CpuProbe(database=database, postgres=database is not None)
 
-    def read(self) -> tuple[float, dict[str, float], CpuSample]:
-        by_kind = {kind: sum(_cpu_or_0(p) for p in procs)
-                   for kind, procs in self._kinds.items() if procs}
-        return time.perf_counter(), by_kind, self._pg.read()
+    def read(self) -> KindsMark:
+        kinds = {kind: procs for kind, procs in self._kinds.items() if procs}
+        waits = {kind: [_runqueue_wait_s(p.pid) for p in procs] for kind, procs in kinds.items()}
+        return KindsMark(time.perf_counter(),
+                         {kind: sum(_cpu_or_0(p) for p in procs) for kind, procs in kinds.items()},
+                         {kind: sum(w) for kind, w in waits.items() if None not in w},
+                         self._pg.read())
 
     @staticmethod
-    def between(start: tuple[float, dict[str, float], CpuSample],
-                end: tuple[float, dict[str, float], CpuSample]) -> KindsCpu:
-        (t0, kinds0, pg0), (t1, kinds1, pg1) = start, end
-        seconds = {kind: round(s - kinds0.get(kind, 0.0), 3) for kind, s in kinds1.items()}
+    def between(start: KindsMark, end: KindsMark) -> KindsCpu:
+        pg0, pg1 = start.sample, end.sample
+        seconds = {kind: round(s - start.cpu_s.get(kind, 0.0), 3)
+                   for kind, s in end.cpu_s.items()}
         if pg0.postgres_s is not None and pg1.postgres_s is not None:
             seconds["postgres"] = round(sum(s - pg0.postgres_s.get(pid, 0.0)
                                             for pid, s in pg1.postgres_s.items()), 3)
         seconds["harness"] = round(pg1.loadgen_s - pg0.loadgen_s, 3)
-        window = t1 - t0
-        busy = (pg1.machine_busy_s - pg0.machine_busy_s) / ((os.cpu_count() or 1) * window)
-        return KindsCpu(window_s=round(window, 3), seconds=seconds,
-                        machine_busy_share=round(busy, 3))
+        waits = {kind: round(w - start.wait_s[kind], 3)
+                 for kind, w in end.wait_s.items() if kind in start.wait_s}
+        window = end.at - start.at
+        busy_s = pg1.machine_busy_s - pg0.machine_busy_s
+        return KindsCpu(window_s=round(window, 3), seconds=seconds, runqueue_wait_s=waits,
+                        machine_busy_share=round(busy_s / ((os.cpu_count() or 1) * window), 3),
+                        others_s=round(busy_s - sum(seconds.values()), 2))
+
+
+def _runqueue_wait_s(pid: int) -> float | None:
+    """Seconds the process's threads have waited on a run queue (/proc schedstat's second
+    field, nanoseconds); None where the kernel does not say."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return None
+    total = 0
+    try:
+        for stat in tasks.glob("*/schedstat"):
+            total += int(stat.read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return total / 1e9
 
 
 def _process(pid: int) -> psutil.Process | None:

@@ -50,6 +50,10 @@ async def test_a_tiny_herd_is_delivered_to_two_receivers(services) -> None:
     assert {"http-worker", "scheduler", "receiver", "harness"} <= set(cpu)
     assert cpu["http-worker"] > 0
     assert report.cpu_per_1000_callbacks["http-worker"] > 0
+    drain = report.drain_cpu
+    assert 0 < drain.window_s <= report.cpu.window_s
+    assert drain.seconds["http-worker"] <= cpu["http-worker"]
+    assert drain.runqueue_wait_s.get("http-worker", 0) >= 0
     text = http.render_text(report)
     assert "300 callbacks succeeded" in text and "callbacks/s" in text
     assert msgspec.json.decode(msgspec.json.encode(report), type=http.Report) == report
