@@ -180,9 +180,11 @@ class TargetFigures(msgspec.Struct, frozen=True, kw_only=True):
     deferrals: int
     deferred_circuit_open: int
     deferred_target_busy: int
-    opened_after_due_s: float | None  # its first circuit_open deferral's lease
+    # Its first circuit_open deferral's lease, from the herd's due second (negative: a
+    # steady job's, before it); None without a herd or without such a deferral.
+    opened_after_due_s: float | None
     deliveries: int | None  # requests its receiver answered (None for a down target)
-    arrival_lag: Lag | None  # due -> arrival at its receiver, the herd's deliveries
+    arrival_lag: Lag | None  # due -> arrival at its receiver, the herd's deliveries only
 
 
 class Steady(msgspec.Struct, frozen=True, kw_only=True):
@@ -535,10 +537,16 @@ def _target_lines(t: TargetFigures) -> list[str]:
         lines = [f"  up   {t.url}: {t.succeeded}/{t.executions} succeeded, {t.deliveries} "
                  f"deliveries received, {t.burned} attempts failed, {deferred}"]
         if t.arrival_lag is not None:
-            lines.append(_lag_line("due -> arrival", t.arrival_lag))
+            lines.append(_lag_line("herd due -> arrival", t.arrival_lag))
         return lines
-    opened = ("never opened" if t.opened_after_due_s is None
-              else f"first circuit-open deferral leased {t.opened_after_due_s} s after due")
+    if t.deferred_circuit_open == 0:
+        opened = "its breaker never deferred one"
+    elif t.opened_after_due_s is None:
+        opened = "its breaker opened"
+    else:  # the steady jobs may fall due before the herd
+        when = "after" if t.opened_after_due_s >= 0 else "before"
+        opened = (f"its first circuit-open deferral leased {abs(t.opened_after_due_s)} s "
+                  f"{when} the herd's due second")
     return [f"  down {t.url}: {t.executions} executions ({t.retry_wait} in retry_wait); "
             f"{t.burned} attempts burned, {t.burned_on_open_breaker} of them on an open "
             f"breaker, {t.burned_after_cooldown} a cooldown or more after it opened "
