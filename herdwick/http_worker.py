@@ -202,6 +202,7 @@ class Delivery:
         self._resolver = resolver
         self._targets: dict[str, _Target] = {}
         self._urls: dict[str, tuple[yarl.URL, str] | TargetRefused] = {}
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._secrets: dict[str, tuple[float, SigningKeys | None]] = {}
         self._user_agent = f"herdwick/{_version()}"
         self._session: aiohttp.ClientSession | None = None
@@ -351,7 +352,10 @@ class Delivery:
             "Herdwick-Signature": signature_header(signing.active(int(now * 1000)), body,
                                                    int(now)),
         }
-        timeout = aiohttp.ClientTimeout(total=max(0.1, ctx.timeout_s - TIMEOUT_MARGIN_S))
+        timeout = self._timeouts.get(ctx.timeout_s)
+        if timeout is None:  # a handful of distinct values: one object each, not a request
+            timeout = self._timeouts[ctx.timeout_s] = aiohttp.ClientTimeout(
+                total=max(0.1, ctx.timeout_s - TIMEOUT_MARGIN_S))
         try:
             async with self._session.post(url, data=body, headers=headers,
                                           allow_redirects=False, timeout=timeout) as response:
@@ -478,6 +482,7 @@ class HttpWorker:
         extra = {"lease_s": lease_s} if lease_s else {}
         self.worker = Worker(redis_url, HTTP_POOL, concurrency, key_prefix=key_prefix,
                              worker_id=worker_id, redis=redis, **extra)
+        self.worker.decode_payload = False  # the body is the payload's JSON text as stored
         self._given = redis
         self._options = dict(allow=allow, concurrency=concurrency,
                              target_concurrency=target_concurrency, breaker=breaker,

@@ -402,9 +402,10 @@ class Context:
         await self._lease.renew()
 
     @classmethod
-    def build(cls, message: _Message, lease: _Lease) -> Context:
+    def build(cls, message: _Message, lease: _Lease, decode: bool = True) -> Context:
         f = message.fields
-        return cls(payload=msgspec.json.decode(f["payload"]), attempt=message.attempt,
+        payload = msgspec.json.decode(f["payload"]) if decode else None
+        return cls(payload=payload, attempt=message.attempt,
                    execution_id=message.execution_id, job_id=f["job_id"],
                    tenant_id=f["tenant_id"], idempotency_key=f["idempotency_key"],
                    scheduled_for=datetime.fromisoformat(f["scheduled_for"]),
@@ -458,7 +459,7 @@ class _Execution:
     """
 
     def __init__(self, calls: _Calls, message: _Message, lease: _Lease,
-                 on_end: Callable[[_Execution], None]) -> None:
+                 on_end: Callable[[_Execution], None], decode: bool = True) -> None:
         self._calls = calls
         self.message = message
         self._lease = lease
@@ -471,10 +472,11 @@ class _Execution:
         self._reporting = False
         self._tries = 0
         self.ended = False
+        self._decode = decode
 
     def start(self, handler: Handler) -> None:
         try:
-            ctx = Context.build(self.message, self._lease)
+            ctx = Context.build(self.message, self._lease, self._decode)
         except (KeyError, ValueError, msgspec.DecodeError) as exc:
             self._report(_Failed(_error("MalformedMessage", repr(exc)), retryable=False))
             return
@@ -687,6 +689,9 @@ class Worker:
         self._idle = asyncio.Event()  # set while nothing runs
         self._idle.set()
         self._claim_cursor = "0-0"
+        # False: handlers get payload None and read payload_json (the http pool, which
+        # sends the JSON text as it is, spares a decode per delivery).
+        self.decode_payload = True
 
     def configure(self, *, redis_url: str | None = None, key_prefix: str | None = None) -> None:
         """Set the Redis URL and key prefix before run() (`herdwick worker`'s flags do)."""
@@ -864,7 +869,7 @@ class Worker:
 
     def _spawn(self, calls: _Calls, message: _Message, lease: _Lease) -> None:
         assert self._handler is not None
-        execution = _Execution(calls, message, lease, self._ended)
+        execution = _Execution(calls, message, lease, self._ended, self.decode_payload)
         self._executions[message.execution_id, message.attempt] = execution
         self._free -= 1
         self._idle.clear()
