@@ -23,7 +23,9 @@ def noisy_args(services, *flags: str) -> argparse.Namespace:
     noisy.add_arguments(parser)
     return parser.parse_args([
         "--jobs", "1500", "--quiet-tenants", "3", "--quiet-jobs", "20", "--workers", "1",
-        "--concurrency", "20", "--handler-ms", "10", "--ready-max", "40", "--due-in", "3",
+        # 1,000 jobs/s of workers against 1,560 due in one second: a backlog however fast
+        # the machine (at 10 ms a handler, 2,000/s, a quick run drained as they came due)
+        "--concurrency", "20", "--handler-ms", "20", "--ready-max", "40", "--due-in", "3",
         "--timeout", "120", "--database-url", services.admin_dsn,
         "--redis-url", services.redis_url, *flags])
 
@@ -40,7 +42,7 @@ async def test_quiet_tenants_are_served_ahead_of_a_noisy_backlog(services) -> No
     assert report.quiet.p99_ms < report.noisy.lag.p50_ms
     assert 0 < report.quiet_jain_index <= 1
     assert 0 < report.noisy.share_of_pool <= 1
-    assert report.capacity_per_s == 2000
+    assert report.capacity_per_s == 1000
     assert report.streams.samples > 0 and report.redis_memory.peak_bytes > 0
     assert msgspec.json.decode(msgspec.json.encode(report), type=noisy.Report) == report
     text = noisy.render_text(report)
