@@ -81,6 +81,17 @@ SELECT count(*) AS started,
 FROM executions WHERE started_at IS NOT NULL AND tenant_id = ANY($1::uuid[])"""
 
 
+# Of the leases in the noisy tenant's middle 80 %, its own: a share at most 1 by construction
+# (two rates over two spans are not).
+_SHARE = """
+WITH span AS (
+    SELECT percentile_disc(ARRAY[0.1, 0.9]) WITHIN GROUP (ORDER BY started_at) AS at
+    FROM executions WHERE started_at IS NOT NULL AND tenant_id = $1)
+SELECT count(*) FILTER (WHERE e.tenant_id = $1) AS mine, count(*) AS every
+FROM executions e, span
+WHERE e.tenant_id = ANY($2::uuid[]) AND e.started_at BETWEEN span.at[1] AND span.at[2]"""
+
+
 class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The flags' limits."""
 
@@ -121,7 +132,7 @@ class Noisy(msgspec.Struct, frozen=True, kw_only=True):
     lag: TenantLag
     drain_per_s: float  # over the middle 80 % of its leases
     quota_per_s: float | None
-    # Of the pool's whole lease rate over the same span: its share of the workers.
+    # Of the pool's leases over its own middle 80 %: its share of the workers.
     share_of_pool: float
 
 
@@ -215,6 +226,13 @@ async def drain_rate(db: Database, tenant_ids: list[uuid.UUID]) -> float:
     return 0.8 * row["started"] / max((last - first).total_seconds(), 0.001)
 
 
+async def share_of(db: Database, tenant_id: uuid.UUID, pool: list[uuid.UUID]) -> float:
+    """The tenant's part of the pool's leases over the middle 80 % of its own."""
+    async with db.connection() as conn:
+        row = await conn.fetchrow(_SHARE, tenant_id, pool)
+    return round(row["mine"] / row["every"], 3) if row["every"] else 0.0
+
+
 def _lag(name: str, jobs: int, leases: TenantLeases | None) -> TenantLag:
     if leases is None:
         return TenantLag(name=name, jobs=jobs, started=0, p50_ms=0, p99_ms=0, max_ms=0)
@@ -284,12 +302,13 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
     by_tenant = await lease_lags_by_tenant(db)
     quiet_leases = [by_tenant.get(t.tenant_id) for t in quiet]
     noisy_drain = await drain_rate(db, [noisy.tenant_id])
-    pool_drain = await drain_rate(db, [noisy.tenant_id, *(t.tenant_id for t in quiet)])
+    pool = [noisy.tenant_id, *(t.tenant_id for t in quiet)]
+    pool_drain = await drain_rate(db, pool)
     return Report(
         plan=plan, capacity_per_s=plan.capacity_per_s, pool_drain_per_s=round(pool_drain),
         noisy=Noisy(lag=_lag(NOISY, plan.jobs, by_tenant.get(noisy.tenant_id)),
                     drain_per_s=round(noisy_drain), quota_per_s=plan.noisy_rate,
-                    share_of_pool=round(noisy_drain / pool_drain, 3) if pool_drain else 0.0),
+                    share_of_pool=await share_of(db, noisy.tenant_id, pool)),
         quiet=await _group_lag(db, "quiet", plan.quiet_jobs * len(quiet), quiet),
         quiet_tenants=[_lag(t.name, plan.quiet_jobs, leases)
                        for t, leases in zip(quiet, quiet_leases, strict=True)],
