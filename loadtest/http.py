@@ -58,6 +58,7 @@ from herdwick.loadtest.driver import (
     scratch_name,
     scratch_prefix,
 )
+from herdwick.loadtest.http_raw import RawHttp, raw_http
 from herdwick.loadtest.jobs import (
     INSERT_CONNECTIONS,
     JobFactory,
@@ -219,6 +220,7 @@ class Report(msgspec.Struct, kw_only=True):
     redis_memory: RedisMemory
     history: History
     profiles: list[str] = []  # --profile: the http workers' cProfile stats
+    raw_limit: RawHttp | None = None  # --raw-limit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -266,6 +268,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--keep", action="store_true",
       help="keep the scratch database (its name is printed) to inspect the history")
     a("--json", action="store_true", help="the report as JSON")
+    a("--raw-limit", action="store_true",
+      help="after the run, the raw limit beside it: the same number of deliveries published "
+           "straight onto the http stream, through one http-worker with the same flags, no "
+           "scheduler or Postgres (loadtest/http_raw.py)")
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
@@ -406,7 +412,13 @@ async def _measure(args: argparse.Namespace, plan: Plan, load: float, db: Databa
         records = {url: read_record(record_path(record_dir, _port_of(url))) for url in healthy}
     profiles = [] if args.profile is None else \
         [profile_path(args.profile, "herdwick.cli", w.pid) for w in workers]
-    return _report(plan, load, window, urls, records, profiles)
+    report = _report(plan, load, window, urls, records, profiles)
+    if args.raw_limit:
+        progress.say("raw limit: the same deliveries through one http-worker alone")
+        with tempfile.TemporaryDirectory(prefix="hw-loadtest-http-raw-") as raw_dir:
+            report.raw_limit = await raw_http(args.redis_url, max(1, plan.jobs),
+                                              _worker_flags(plan), raw_dir)
+    return report
 
 
 async def _drain(plan: Plan, db: Database, dsn: str,
@@ -607,6 +619,12 @@ def render_text(r: Report) -> str:
     ]
     if r.profiles:
         lines.append("  cProfile stats (python -m pstats FILE): " + ", ".join(r.profiles))
+    if (raw := r.raw_limit) is not None:
+        lines.append(f"  raw limit, one http-worker alone (entries published straight onto its "
+                     f"stream): {raw.deliveries} deliveries in {raw.drained_s} s, "
+                     f"{raw.callbacks_per_s:,} callbacks/s; per 1,000: http-worker "
+                     f"{raw.worker_cpu_per_1000_s:.3f} s, receiver "
+                     f"{raw.receiver_cpu_per_1000_s:.3f} s")
     return "\n".join(lines) + "\n"
 
 

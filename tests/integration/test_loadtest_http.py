@@ -124,3 +124,15 @@ async def test_the_receiver_answers_pipelined_requests_and_records_their_due_tim
     due = 1796378400.0  # 2026-12-04T10:00:00Z
     assert [d for _, d in seen] == [due, due]  # the refused one is not counted
     assert all(abs(arrived - time.time()) < 60 for arrived, _ in seen)
+
+
+async def test_the_raw_limit_drains_the_same_deliveries_through_the_http_worker_alone(
+        services) -> None:
+    args = http_args(services, "--jobs", "300", "--raw-limit")
+    report = await http.run(args, Progress(None))
+    raw = report.raw_limit
+    assert raw is not None and raw.deliveries == 300
+    assert raw.callbacks_per_s > 0 and raw.worker_cpu_per_1000_s > 0
+    assert raw.receiver_cpu_per_1000_s > 0
+    assert "raw limit, one http-worker alone" in http.render_text(report)
+    assert msgspec.json.decode(msgspec.json.encode(report), type=http.Report) == report
