@@ -9,6 +9,7 @@ loopback addresses only: the load goes to this machine.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import contextlib
@@ -52,6 +53,21 @@ class RunFailed(HerdwickError):
 
 
 # --- targets and scratch state ---------------------------------------------------------
+
+
+def add_scratch_flags(parser: argparse.ArgumentParser) -> None:
+    """--database-url, --redis-url, --keep and --json, as every load test that runs in a
+    scratch database and key prefix of its own takes them."""
+    a = parser.add_argument
+    a("--database-url", default=os.environ.get("HERDWICK_DATABASE_URL",
+                                               "postgresql://postgres@127.0.0.1:5432/postgres"),
+      help="Postgres server for the scratch database; default $HERDWICK_DATABASE_URL, else "
+           "postgresql://postgres@127.0.0.1:5432/postgres")
+    a("--redis-url", default=os.environ.get("HERDWICK_REDIS_URL", "redis://127.0.0.1:6379/0"),
+      help="default $HERDWICK_REDIS_URL, else redis://127.0.0.1:6379/0")
+    a("--keep", action="store_true",
+      help="keep the scratch database (its name is printed) to inspect the history")
+    a("--json", action="store_true", help="the report as JSON")
 
 
 def require_loopback(url: str, what: str) -> None:

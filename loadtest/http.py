@@ -46,6 +46,7 @@ from herdwick.loadtest.background import Background
 from herdwick.loadtest.driver import (
     Child,
     RunFailed,
+    add_scratch_flags,
     free_port,
     http_worker_processes,
     leases_settled,
@@ -256,18 +257,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds from the move to the due second; default 6")
     a("--timeout", type=float, default=300.0,
       help="give up waiting after this many seconds; default 300")
-    a("--database-url", default=os.environ.get("HERDWICK_DATABASE_URL",
-                                               "postgresql://postgres@127.0.0.1:5432/postgres"),
-      help="Postgres server for the scratch database; default $HERDWICK_DATABASE_URL, else "
-           "postgresql://postgres@127.0.0.1:5432/postgres")
-    a("--redis-url", default=os.environ.get("HERDWICK_REDIS_URL", "redis://127.0.0.1:6379/0"),
-      help="default $HERDWICK_REDIS_URL, else redis://127.0.0.1:6379/0")
     a("--profile", default=None, metavar="DIR",
       help="run each http worker under cProfile, its stats written to DIR/herdwick.cli-PID"
            ".prof when it stops (slower: for where the time goes, not for throughput)")
-    a("--keep", action="store_true",
-      help="keep the scratch database (its name is printed) to inspect the history")
-    a("--json", action="store_true", help="the report as JSON")
+    add_scratch_flags(parser)
     a("--raw-limit", action="store_true",
       help="after the run, the raw limit beside it: the same number of deliveries published "
            "straight onto the http stream, through one http-worker with the same flags, no "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 import time
@@ -33,6 +32,7 @@ from msgspec import Meta
 from herdwick.config import ConfigError
 from herdwick.loadtest.background import Background
 from herdwick.loadtest.driver import (
+    add_scratch_flags,
     leases_settled,
     require_loopback,
     running,
@@ -180,14 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds from the move to the due second; default 6")
     a("--timeout", type=float, default=600.0,
       help="give up waiting after this many seconds; default 600")
-    a("--database-url", default=os.environ.get("HERDWICK_DATABASE_URL",
-                                               "postgresql://postgres@127.0.0.1:5432/postgres"),
-      help="Postgres server for the scratch database; default $HERDWICK_DATABASE_URL, else "
-           "postgresql://postgres@127.0.0.1:5432/postgres")
-    a("--redis-url", default=os.environ.get("HERDWICK_REDIS_URL", "redis://127.0.0.1:6379/0"),
-      help="default $HERDWICK_REDIS_URL, else redis://127.0.0.1:6379/0")
-    a("--keep", action="store_true", help="keep the scratch database (its name is printed)")
-    a("--json", action="store_true", help="the report as JSON")
+    add_scratch_flags(parser)
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
