@@ -241,9 +241,9 @@ class Delivery:
             target = self._targets[origin] = _Target(self._cap)
         cached = self._secrets.get(ctx.tenant_id)
         if cached is not None and cached[1] is not None and cached[0] > time.monotonic():
-            signing = cached[1]
+            signing = cached[1]  # checked here, not in _keys: no coroutine per delivery
         else:
-            signing = await self._keys(ctx.tenant_id)
+            signing = await self._keys(ctx.tenant_id, cached)
         if target.waiting >= self._busy_after:
             wait_s = target.waiting * target.latency_s / self._cap
             if wait_s > BUSY_WAIT_S:
@@ -292,10 +292,9 @@ class Delivery:
         return url, origin_of(split)
 
     async def _admit(self, origin: str, target: _Target) -> bool:
-        """Go, or raise CircuitOpen; True when this delivery is the half-open probe."""
+        """Ask the breaker (the caller trusts a fresh closed answer without asking): go,
+        or raise CircuitOpen; True when this delivery is the half-open probe."""
         now = time.monotonic()
-        if now < target.closed_until:
-            return False
         probe_ms = round(self._breaker.window_s * 1000)
         try:
             wait_ms = await self._pipeline.submit_item(
@@ -315,11 +314,10 @@ class Delivery:
         raise CircuitOpen(wait_s + random.uniform(0, max(1.0, wait_s)), origin,
                           f"next probe in {wait_s:.1f} s")
 
-    async def _keys(self, tenant_id: str) -> SigningKeys:
+    async def _keys(self, tenant_id: str,
+                    cached: tuple[float, SigningKeys | None] | None) -> SigningKeys:
+        """The tenant's keys read from Redis (the cache in `cached` is stale or empty)."""
         now = time.monotonic()
-        cached = self._secrets.get(tenant_id)
-        if cached is not None and cached[0] > now and cached[1] is not None:
-            return cached[1]
         try:
             raw = await self._pipeline.submit_item(("HMGET", self._signing), tenant_id)
         except RedisError:
@@ -372,10 +370,7 @@ class Delivery:
             raise self._failed(HttpError("timeout", f"no response within {ctx.timeout_s:g} s"),
                                origin, target, probe) from None
         except aiohttp.ClientConnectorError as exc:
-            refused = _refusal(exc)
-            if refused is not None:
-                raise TargetRefused(refused) from None
-            kind = "dns" if _is_dns(exc) else "connection"
+            kind = "dns" if isinstance(exc, aiohttp.ClientConnectorDNSError) else "connection"
             raise self._failed(HttpError(kind, f"{kind} error: {exc}"),
                                origin, target, probe) from None
         except (aiohttp.ClientError, OSError) as exc:
@@ -446,19 +441,6 @@ class Delivery:
             if target.successes:
                 self._report(origin, target.successes, 0, False)
                 target.successes = 0
-
-
-def _refusal(exc: aiohttp.ClientConnectorError) -> str | None:
-    cause = exc.os_error if hasattr(exc, "os_error") else None
-    for error in (exc, cause, getattr(exc, "__cause__", None)):
-        if isinstance(error, ssrf.TargetRefused):
-            return str(error)
-    return None
-
-
-def _is_dns(exc: aiohttp.ClientConnectorError) -> bool:
-    dns_error = getattr(aiohttp, "ClientConnectorDNSError", None)
-    return dns_error is not None and isinstance(exc, dns_error)
 
 
 def _version() -> str:
