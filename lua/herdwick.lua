@@ -341,9 +341,10 @@ local function settle_failure(base, kind, execution_id, h, worker_id, error_json
   local attempt = tonumber(h.attempt)
   local max_attempts = tonumber(h.max_attempts) or 1
   local extra = {'error', error_json, 'retryable', retryable and '1' or '0'}
+  local least_ms = math.min(min_delay_ms or 0, RETRY_CAP_MS * 24)  -- a day at most
   local reply
   if deferred then
-    local retry_at = now + math.min(min_delay_ms or 0, RETRY_CAP_MS * 24)
+    local retry_at = now + least_ms
     redis.call('HSET', hot, 'state', 'retry_wait', 'retry_at', fmt(retry_at),
                'max_attempts', fmt(max_attempts + 1))
     extra[#extra + 1], extra[#extra + 2] = 'outcome', 'retry'
@@ -356,8 +357,7 @@ local function settle_failure(base, kind, execution_id, h, worker_id, error_json
     reply = DEAD
   else
     local backoff_ms = tonumber(h.backoff_ms) or 0
-    local delay = math.max(retry_delay_ms(backoff_ms, attempt, execution_id, us),
-                           math.min(min_delay_ms or 0, RETRY_CAP_MS * 24))
+    local delay = math.max(retry_delay_ms(backoff_ms, attempt, execution_id, us), least_ms)
     local retry_at = now + delay
     redis.call('HSET', hot, 'state', 'retry_wait', 'retry_at', fmt(retry_at))
     extra[#extra + 1], extra[#extra + 2] = 'outcome', 'retry'
