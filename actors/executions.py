@@ -26,7 +26,7 @@ from herdwick.ids import shard_of
 from herdwick.model import Schedule
 from herdwick.storage import executions as store
 from herdwick.storage.db import Database
-from herdwick.storage.executions import AttemptRow, ExecutionUpdate
+from herdwick.storage.executions import AttemptRow, ExecutionUpdate, StaleCall
 from herdwick.storage.hot import HotTier
 from herdwick.storage.protocol import Event, Protocol
 
@@ -89,12 +89,15 @@ def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRo
 
     A statement may touch a row only once, and the events of one attempt
     (leased, then completed) belong in one final state. Of several attempts
-    of one execution, the latest wins the execution row.
+    of one execution, the latest wins the execution row. Stale calls are
+    not state: stale_calls() takes them.
     """
     times: dict[str, datetime] = {}  # a herd's events share a few scheduled_for values
     updates: dict[str, ExecutionUpdate] = {}
     attempts: dict[tuple[str, int], AttemptRow] = {}
     for event in events:
+        if event.type == "stale":
+            continue
         scheduled_for = times.get(event.scheduled_for)
         if scheduled_for is None:
             scheduled_for = times[event.scheduled_for] = \
@@ -114,6 +117,16 @@ def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRo
                 deferrals=current.deferrals if current is not None else 0)
         _fold_update(current, event, state, error)
     return list(updates.values()), list(attempts.values())
+
+
+def stale_calls(events: list[Event]) -> list[StaleCall]:
+    """The batch's refused calls from lapsed or replaced attempts (rare: usually none)."""
+    return [StaleCall(execution_id=e.execution_id,
+                      scheduled_for=datetime.fromisoformat(e.scheduled_for)
+                      if e.scheduled_for else None,
+                      attempt=e.attempt, worker_id=e.worker_id, call=e.call or "",
+                      at_ms=e.at_ms)
+            for e in events if e.type == "stale"]
 
 
 def _fold_update(update: ExecutionUpdate, event: Event, state: str, error: str | None) -> None:
@@ -149,6 +162,7 @@ def _fold_attempt(rows: dict, event: Event, scheduled_for: datetime,
     row.outcome = "deferred" if event.deferred else _OUTCOME_OF.get(event.type, row.outcome)
     if event.type == "leased":
         row.started_ms = row.started_ms or event.at_ms
+        row.lease_until_ms = row.lease_until_ms or event.lease_until_ms
     else:
         row.started_ms = row.started_ms or event.started_ms
         row.finished_ms = event.at_ms
@@ -192,6 +206,7 @@ class ExecutionEvents(Actor):
         self._committing: list[asyncio.Task] = []  # oldest first
         self._density: dict[str, float] = {}  # pool -> events an entry, smoothed
         self.applied = 0  # events applied; read by tests and reports
+        self.stale_recorded = 0  # possible duplicates recorded; read by tests
 
     def idle_timeout(self) -> float | None:
         return 0 if self._busy else IDLE_POLL_S
@@ -281,7 +296,8 @@ class ExecutionEvents(Actor):
     def _fold(self, events: list[Event]) -> _Folded:
         updates, attempts = collapse(events)
         now = self.clock.now()
-        return _Folded(updates, attempts, None if self._db_now else now, now)
+        return _Folded(updates, attempts, None if self._db_now else now, now,
+                       stale_calls(events))
 
     async def _commit(self, events: list[tuple[str, Event]], lanes: list[_Folded]) -> None:
         """Apply the lanes at once, then ack: a crash before the ack replays, harmlessly.
@@ -290,6 +306,11 @@ class ExecutionEvents(Actor):
         be split over lanes.
         """
         await asyncio.gather(*(self._apply(f) for f in lanes))
+        stale = [c for f in lanes for c in f.stale]
+        if stale:
+            for tenant_id, call in await store.record_stale_calls(self._db, stale):
+                self.stale_recorded += 1
+                log.warning("stale_call", tenant_id=tenant_id, call=call)
         for pool in {p for p, _ in events}:
             mine = [e for p, e in events if p == pool]
             await self._protocol.ack_events(pool, GROUP, [e.stream_id for e in mine],
@@ -319,7 +340,7 @@ class ExecutionEvents(Actor):
             for part in (half, set(ids) - half):
                 await self._apply(_Folded([u for u in folded.updates if u.execution_id in part],
                                           [a for a in folded.attempts if a.execution_id in part],
-                                          folded.now, folded.clock_now))
+                                          folded.now, folded.clock_now, []))
 
     async def _apply_stripped(self, folded: _Folded, execution_id: str, exc: Rejected) -> None:
         error = row_error("EventRejected", str(exc))
@@ -347,3 +368,4 @@ class _Folded(NamedTuple):
     attempts: list[AttemptRow]
     now: datetime | None  # for SQL: None = the database's clock
     clock_now: datetime  # for the next occurrence of forbid-overlap jobs
+    stale: list[StaleCall]  # recorded after the lanes commit

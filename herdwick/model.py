@@ -345,10 +345,23 @@ class ExecutionPage(msgspec.Struct, kw_only=True, rename="camel"):
 class Attempt(msgspec.Struct, kw_only=True, rename="camel"):
     attempt: int
     worker_id: str | None
-    started_at: datetime | None
+    started_at: datetime | None  # its lease granted
     finished_at: datetime | None
     outcome: str | None
     error: msgspec.Raw | None = None
+    lease_until: datetime | None = None  # the lease's expiry as granted (heartbeats extend it)
+
+
+class StaleCall(msgspec.Struct, kw_only=True, rename="camel"):
+    """Calls the fence refused from a worker whose attempt had lapsed or been replaced:
+    its handler may have acted while another attempt ran (a possible duplicate)."""
+
+    attempt: int  # the stale worker's attempt
+    worker_id: str
+    call: Literal["heartbeat", "complete", "fail"]
+    count: int
+    first_at: datetime
+    last_at: datetime
 
 
 class Execution(msgspec.Struct, kw_only=True, rename="camel"):
@@ -365,6 +378,7 @@ class Execution(msgspec.Struct, kw_only=True, rename="camel"):
     error: msgspec.Raw | None = None
     result: msgspec.Raw | None = None
     attempts: list[Attempt] = []
+    possible_duplicates: list[StaleCall] = []
 
 
 class Triggered(msgspec.Struct, kw_only=True, rename="camel"):

@@ -48,9 +48,14 @@ the attempt started.)
   (a failed event with deferred '1', from library version 13, is an attempt put off
   without counting against max_attempts: hw_fail's defer flag)
   canceled   nothing more (worker_id is the holder's, '' if none)
+  stale      call ('heartbeat'|'complete'|'fail'), current_attempt ('' if the hash is
+             gone): from library version 14, a worker call the fence refused that came
+             from an attempt whose lease lapsed or that a later attempt replaced, so its
+             handler may have acted beside another; attempt is the caller's, and
+             job_id, tenant_id and scheduled_for are '' when the hash is gone
 ]]
 
-local LIBRARY_VERSION = '13'
+local LIBRARY_VERSION = '14'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- A done, dead or canceled hash keeps only its attempt and state, for this long:
 -- a late republish of that attempt (a scheduler retrying a publish whose reply it
@@ -221,7 +226,7 @@ local LEASE_LOST = {ok = 'LEASE_LOST'}  -- status replies, as redis.status_reply
 local OK = {ok = 'OK'}
 local DEAD = {ok = 'DEAD'}
 local HOT_FIELDS = {'attempt', 'state', 'lease_owner', 'lease_until', 'job_id', 'tenant_id',
-                    'scheduled_for', 'max_attempts', 'backoff_ms', 'leased_at'}
+                    'scheduled_for', 'max_attempts', 'backoff_ms', 'leased_at', 'lapsed'}
 
 -- A malformed argument is the caller's bug, not a lost lease: an error reply.
 local function bad_arg(fn, what)
@@ -303,6 +308,31 @@ local function flush(base, events)
   if #events > 0 then
     redis.call('XADD', base .. ':events', '*', 'e', cjson.encode(events))
   end
+end
+
+-- A worker call the fence refused. If the caller's attempt was reaped (its lease
+-- lapsed: `lapsed` names it) or a later attempt replaced it, its handler may have acted
+-- while another ran or will run: a `stale` event lets Postgres record that on the
+-- execution. Not a repeat of a call that settled (its reply was lost), a call after a
+-- cancel, nor one for an attempt not yet published. An unknown hash (expired) is
+-- reported too; Postgres, which knows the attempts, judges it.
+local function refused(base, call, execution_id, h, attempt, worker_id, now, into)
+  local current = ''
+  if h ~= nil then
+    local cur = tonumber(h.attempt) or 0
+    local mine = fmt(attempt) .. ':' .. worker_id
+    local lapsed = cur == attempt and (h.lapsed == mine or (h.state == 'leased'
+                   and h.lease_owner == worker_id and (tonumber(h.lease_until) or 0) <= now))
+    if cur <= attempt and not lapsed then
+      return
+    end
+    current = h.attempt
+  end
+  local known = h or {}
+  emit(base, 'stale', execution_id,
+       {attempt = fmt(attempt), job_id = known.job_id, tenant_id = known.tenant_id,
+        scheduled_for = known.scheduled_for},
+       worker_id, now, {'call', call, 'current_attempt', current}, into)
 end
 
 --[[
@@ -482,7 +512,9 @@ local function hw_heartbeat(keys, args)
   local lease_ms = lease_ms_arg('hw_heartbeat', args[4])
   local hot = base .. ':x:' .. execution_id
   local now = now_ms()
-  if not holds(load_hot(hot), attempt, worker_id, now) then
+  local h = load_hot(hot)
+  if not holds(h, attempt, worker_id, now) then
+    refused(base, 'heartbeat', execution_id, h, attempt, worker_id, now)
     return LEASE_LOST
   end
   local lease_until = now + lease_ms
@@ -505,6 +537,7 @@ local function complete_one(base, execution_id, attempt, worker_id, result_json,
   local hot = base .. ':x:' .. execution_id
   local h = load_hot(hot)
   if not holds(h, attempt, worker_id, now) then
+    refused(base, 'complete', execution_id, h, attempt, worker_id, now, events)
     return LEASE_LOST
   end
   finish(hot, 'done')
@@ -573,6 +606,7 @@ local function hw_fail(keys, args)
   local h = load_hot(base .. ':x:' .. execution_id)
   local now, us = now_ms()
   if not holds(h, attempt, worker_id, now) then
+    refused(base, 'fail', execution_id, h, attempt, worker_id, now)
     return LEASE_LOST
   end
   return settle_failure(base, 'failed', execution_id, h, worker_id, error_json,
@@ -609,6 +643,8 @@ local function hw_expire(keys, args)
       -- re-score it rather than stop watching it.
       redis.call('ZADD', leases, lease_until, execution_id)
     else
+      -- Remembered, so the lapsed holder's late calls are known for what they are.
+      redis.call('HSET', base .. ':x:' .. execution_id, 'lapsed', h.attempt .. ':' .. h.lease_owner)
       settle_failure(base, 'expired', execution_id, h, h.lease_owner, EXPIRED_ERROR, true,
                      now, us)
       expired[#expired + 1] = execution_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 
 import msgspec
 
@@ -45,6 +45,18 @@ class AttemptRow(msgspec.Struct, kw_only=True):
     finished_ms: int | None = None
     outcome: str = "running"
     error: str | None = None
+    lease_until_ms: int | None = None  # the lease's expiry as first granted
+
+
+class StaleCall(msgspec.Struct, kw_only=True):
+    """A worker call the fence refused from an attempt whose lease lapsed or was replaced."""
+
+    execution_id: str  # UUID text
+    scheduled_for: datetime | None  # None: Redis no longer knew the execution
+    attempt: int  # the caller's
+    worker_id: str
+    call: str  # heartbeat | complete | fail
+    at_ms: int
 
 
 class Applied(msgspec.Struct, kw_only=True):
@@ -115,7 +127,8 @@ def _events_args(updates: list[ExecutionUpdate], attempts: list[AttemptRow],
              for u, r in zip(updates, retry, strict=True)],
             [due_minute(u.retry_at) if r else None for u, r in zip(updates, retry, strict=True)],
             [u.retry_at if r else None for u, r in zip(updates, retry, strict=True)],
-            *_attempt_args(attempts), now, with_forbid, [u.deferrals for u in updates])
+            *_attempt_args(attempts), now, with_forbid, [u.deferrals for u in updates],
+            [a.lease_until_ms for a in attempts])
 
 
 def _update_args(updates: list[ExecutionUpdate]) -> tuple[list, ...]:
@@ -137,3 +150,59 @@ def _successor_args(successors: list[tuple[uuid.UUID, datetime]], shard_of) -> t
     return ([shard_of(j) for j, _ in successors], [due_minute(t) for _, t in successors],
             [t for _, t in successors], [j for j, _ in successors],
             [None] * len(successors), [None] * len(successors), [None] * len(successors))
+
+
+async def record_stale_calls(db: Database, calls: list[StaleCall]) -> list[tuple[str, str]]:
+    """Merges each call into its execution's stale_calls, counted by (attempt, worker, call);
+    returns (tenant_id, call) of each call recorded.
+
+    Postgres judges what Redis could not: a call whose execution was gone from Redis
+    counts only if a later attempt ran. Replaying a batch counts its calls again (they
+    are evidence, not state, so the events' at-least-once delivery can only overcount
+    how often, never hide that it happened).
+    """
+    if not calls:
+        return []
+    return await retrying(lambda: _record_stale_calls(db, calls))
+
+
+async def _record_stale_calls(db: Database, calls: list[StaleCall]) -> list[tuple[str, str]]:
+    recorded: list[tuple[str, str]] = []
+    async with db.transaction() as conn:
+        rows = await conn.fetch(q("lock_stale_calls"), [c.execution_id for c in calls],
+                                [c.scheduled_for for c in calls])
+        by_id = {str(r["execution_id"]): r for r in rows}
+        merged: dict[str, list[dict]] = {}
+        for call in calls:
+            row = by_id.get(call.execution_id)
+            if row is None or (call.scheduled_for is None and row["attempt"] <= call.attempt):
+                continue
+            entries = merged.get(call.execution_id)
+            if entries is None:
+                entries = merged[call.execution_id] = (
+                    msgspec.json.decode(row["stale_calls"]) if row["stale_calls"] else [])
+            _merge(entries, call)
+            recorded.append((str(row["tenant_id"]), call.call))
+        if merged:
+            await conn.execute(q("write_stale_calls"), list(merged),
+                               [by_id[i]["scheduled_for"] for i in merged],
+                               [msgspec.json.encode(e).decode() for e in merged.values()])
+    return recorded
+
+
+MAX_STALE_ENTRIES = 50  # distinct (attempt, worker, call) kept; the metric counts them all
+
+
+def _merge(entries: list[dict], call: StaleCall) -> None:
+    at = datetime.fromtimestamp(call.at_ms / 1000, UTC).isoformat()
+    for entry in entries:
+        if (entry["attempt"], entry["workerId"], entry["call"]) == \
+                (call.attempt, call.worker_id, call.call):
+            entry["count"] += 1
+            entry["firstAt"] = min(entry["firstAt"], at)
+            entry["lastAt"] = max(entry["lastAt"], at)
+            return
+    if len(entries) >= MAX_STALE_ENTRIES:
+        return
+    entries.append({"attempt": call.attempt, "workerId": call.worker_id, "call": call.call,
+                    "count": 1, "firstAt": at, "lastAt": at})

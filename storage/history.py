@@ -12,13 +12,14 @@ import msgspec
 
 from herdwick.errors import Conflict, NotFound
 from herdwick.ids import shard_of, uuid7
-from herdwick.model import Attempt, Execution, ExecutionSummary
+from herdwick.model import Attempt, Execution, ExecutionSummary, StaleCall
 from herdwick.storage.db import Database
 from herdwick.storage.jobs import decode_cursor as decode_id_cursor  # noqa: F401 - the API's twin
 from herdwick.storage.jobs import due_minute
 from herdwick.storage.jobs import encode_cursor as id_cursor
 from herdwick.storage.sql import q
 
+_stale_decoder = msgspec.json.Decoder(list[StaleCall])
 _EXEC_CURSOR = "e1."
 TRIGGER_TRIES = 100
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -87,7 +88,10 @@ async def get_execution(db: Database, tenant_id: uuid.UUID, execution_id: uuid.U
         finished_at=row["finished_at"], error=_raw(row["error"]), result=_raw(row["result"]),
         attempts=[Attempt(attempt=a["attempt"], worker_id=a["worker_id"],
                           started_at=a["started_at"], finished_at=a["finished_at"],
-                          outcome=a["outcome"], error=_raw(a["error"])) for a in attempts])
+                          outcome=a["outcome"], error=_raw(a["error"]),
+                          lease_until=a["lease_until"]) for a in attempts],
+        possible_duplicates=_stale_decoder.decode(row["stale_calls"]) if row["stale_calls"]
+        else [])
 
 
 async def dead_letters(db: Database, tenant_id: uuid.UUID, after: uuid.UUID | None,

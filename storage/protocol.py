@@ -36,7 +36,7 @@ class UnexpectedReply(HerdwickError):
 class Event(msgspec.Struct, frozen=True, kw_only=True):
     """One entry of a pool's events stream (lua/herdwick.lua lists the fields by type)."""
 
-    type: str  # leased | completed | failed | expired | canceled
+    type: str  # leased | completed | failed | expired | canceled | stale
     execution_id: str
     attempt: int
     job_id: str
@@ -52,6 +52,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
     retry_at_ms: int | None = None  # failed, expired with outcome retry
     started_ms: int | None = None  # completed, failed, expired: the attempt's first lease
     deferred: bool | None = None  # failed: put off, not counted against max_attempts
+    call: str | None = None  # stale: the refused call (heartbeat | complete | fail)
     stream_id: str = ""  # the entry's id, for ack_events (a batch call's events share one)
 
 

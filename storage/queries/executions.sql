@@ -8,7 +8,8 @@
 -- (its successor is computed in Python, in one transaction with its
 -- update): `forbid` lists those jobs, `finished` the jobs whose execution
 -- this statement finished. $25 counts the deferred attempts among each
--- execution's events (they raise its attempt limit by one each).
+-- execution's events (they raise its attempt limit by one each). $26: each
+-- attempt's lease expiry as first granted (heartbeats extend it in Redis only).
 WITH u AS (  -- times arrive as Redis milliseconds
     SELECT execution_id, scheduled_for, attempt, state, lease_owner,
            to_timestamp(lease_until_ms / 1000.0) AS lease_until,
@@ -49,22 +50,24 @@ WITH u AS (  -- times arrive as Redis milliseconds
     -- attempt (another node applied the later events first): that attempt is
     -- over, and is recorded so, not left running for good.
     INSERT INTO execution_attempts AS a (execution_id, attempt, scheduled_for, worker_id,
-                                         started_at, finished_at, outcome, error)
+                                         started_at, finished_at, outcome, error, lease_until)
     SELECT execution_id, attempt, scheduled_for, worker_id, to_timestamp(started_ms / 1000.0),
            CASE WHEN superseded THEN coalesce($23, now())
                 ELSE to_timestamp(finished_ms / 1000.0) END,
            CASE WHEN superseded THEN 'expired' ELSE outcome END,
            CASE WHEN superseded
                 THEN '{"type": "Superseded", "message": "a later attempt replaced this one"}'
-                ELSE error END
+                ELSE error END,
+           to_timestamp(lease_until_ms / 1000.0)
     FROM (SELECT r.*, r.outcome = 'running' AND EXISTS (
                      SELECT 1 FROM executions e
                      WHERE e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
                        AND e.attempt > r.attempt) AS superseded
           FROM unnest($15::uuid[], $16::integer[], $17::timestamptz[], $18::text[],
-                      $19::bigint[], $20::bigint[], $21::text[], $22::text[]::jsonb[])
+                      $19::bigint[], $20::bigint[], $21::text[], $22::text[]::jsonb[],
+                      $26::bigint[])
                AS r(execution_id, attempt, scheduled_for, worker_id, started_ms, finished_ms,
-                    outcome, error)) s
+                    outcome, error, lease_until_ms)) s
     ON CONFLICT (execution_id, attempt) DO UPDATE SET
         worker_id = coalesce(a.worker_id, EXCLUDED.worker_id),
         started_at = coalesce(a.started_at, EXCLUDED.started_at),
@@ -72,7 +75,8 @@ WITH u AS (  -- times arrive as Redis milliseconds
         outcome = CASE WHEN a.outcome IN ('succeeded', 'failed', 'expired', 'canceled',
                                           'deferred')
                        THEN a.outcome ELSE EXCLUDED.outcome END,
-        error = coalesce(EXCLUDED.error, a.error)
+        error = coalesce(EXCLUDED.error, a.error),
+        lease_until = coalesce(a.lease_until, EXCLUDED.lease_until)
 ), retries AS (
     INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id,
                            scheduled_for, attempt)
@@ -160,3 +164,19 @@ WITH failed AS (
       AND schedule->>'cron' IS NULL
 )
 SELECT count(*) FROM failed;
+
+-- name: lock_stale_calls
+-- The executions that stale worker calls name (a lapsed or replaced attempt's late
+-- heartbeat, complete or fail), locked for the merge of what they already record.
+-- scheduled_for is NULL when Redis no longer knew the execution.
+SELECT e.execution_id, e.scheduled_for, e.tenant_id, e.attempt, e.stale_calls::text AS stale_calls
+FROM executions e
+JOIN unnest($1::uuid[], $2::timestamptz[]) AS s(execution_id, scheduled_for)
+  ON e.execution_id = s.execution_id
+ AND (s.scheduled_for IS NULL OR e.scheduled_for = s.scheduled_for)
+FOR UPDATE OF e;
+
+-- name: write_stale_calls
+UPDATE executions e SET stale_calls = s.stale_calls::jsonb
+FROM unnest($1::uuid[], $2::timestamptz[], $3::text[]) AS s(execution_id, scheduled_for, stale_calls)
+WHERE e.execution_id = s.execution_id AND e.scheduled_for = s.scheduled_for;

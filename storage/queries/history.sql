@@ -10,11 +10,11 @@ LIMIT $5;
 
 -- name: get_execution
 SELECT execution_id, job_id, scheduled_for, attempt, state, queued_at, started_at, finished_at,
-       error::text AS error, result::text AS result
+       error::text AS error, result::text AS result, stale_calls::text AS stale_calls
 FROM executions WHERE execution_id = $1 AND tenant_id = $2;
 
 -- name: execution_attempts
-SELECT attempt, worker_id, started_at, finished_at, outcome, error::text AS error
+SELECT attempt, worker_id, started_at, finished_at, outcome, error::text AS error, lease_until
 FROM execution_attempts WHERE execution_id = $1 AND scheduled_for = $2
 ORDER BY attempt;
 

@@ -93,6 +93,11 @@ async def test_the_gc_pause_story(api, schedulers, protocol, redis_client, key_p
     assert [(a["attempt"], a["workerId"], a["outcome"]) for a in got["attempts"]] == [
         (1, "worker-a", "expired"), (2, "worker-b", "succeeded")]
     assert got["attempts"][0]["error"] == {"type": "LeaseExpired", "message": "lease expired"}
+    assert all(a["leaseUntil"] > a["startedAt"] for a in got["attempts"])
+    # ...and the execution says A may have acted beside B: a possible duplicate.
+    assert [(d["attempt"], d["workerId"], d["call"], d["count"])
+            for d in got["possibleDuplicates"]] == [(1, "worker-a", "heartbeat", 1),
+                                                    (1, "worker-a", "complete", 1)]
     one_off = await (await api.client.get(f"/v1/jobs/{job['jobId']}", headers=api.auth())).json()
     assert one_off["state"] == "completed"
 

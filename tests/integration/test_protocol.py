@@ -348,7 +348,7 @@ async def test_the_events_stream_tells_each_attempt_in_order(proto, publish) -> 
 
 async def test_gc_pause(proto, publish, hot, redis_client) -> None:
     """Worker A stalls past its lease; the reaper re-queues attempt 2; B completes it;
-    A wakes, and its complete and heartbeat are refused."""
+    A wakes, and its complete and heartbeat are refused, each a `stale` event."""
     execution = await publish(backoff_ms=0)
     xid = execution.execution_id
     a_until = await proto.lease(POOL, "worker-a", 0.2, xid, 1)
@@ -366,9 +366,12 @@ async def test_gc_pause(proto, publish, hot, redis_client) -> None:
     assert await proto.complete(POOL, xid, 1, "worker-a", '{"sent":true}') is False
     assert await proto.heartbeat(POOL, xid, 1, "worker-a", 30) is None
 
-    assert [(e.type, e.attempt, e.worker_id) for e in await events(proto)] == [
+    got = await events(proto)
+    assert [(e.type, e.attempt, e.worker_id) for e in got] == [
         ("leased", 1, "worker-a"), ("expired", 1, "worker-a"),
-        ("leased", 2, "worker-b"), ("completed", 2, "worker-b")]
+        ("leased", 2, "worker-b"), ("completed", 2, "worker-b"),
+        ("stale", 1, "worker-a"), ("stale", 1, "worker-a")]
+    assert [e.call for e in got[-2:]] == ["complete", "heartbeat"]
 
 
 @pytest.fixture
