@@ -68,7 +68,7 @@ WITH u AS (  -- times arrive as Redis milliseconds
                       $26::bigint[])
                AS r(execution_id, attempt, scheduled_for, worker_id, started_ms, finished_ms,
                     outcome, error, lease_until_ms)) s
-    ON CONFLICT (execution_id, attempt) DO UPDATE SET
+    ON CONFLICT (execution_id, scheduled_for, attempt) DO UPDATE SET
         worker_id = coalesce(a.worker_id, EXCLUDED.worker_id),
         started_at = coalesce(a.started_at, EXCLUDED.started_at),
         finished_at = coalesce(EXCLUDED.finished_at, a.finished_at),
@@ -134,13 +134,14 @@ WITH bumped AS (
          AS b(execution_id, scheduled_for, attempt)
     WHERE e.execution_id = b.execution_id AND e.scheduled_for = b.scheduled_for
       AND e.attempt = b.attempt AND e.state IN ('queued', 'running')
-    RETURNING e.execution_id, e.attempt
+    RETURNING e.execution_id, e.scheduled_for, e.attempt
 ), closed AS (
     UPDATE execution_attempts a
     SET outcome = 'expired', finished_at = coalesce($4, now()),
         error = '{"type": "HotStateLost", "message": "Redis lost the attempt; republished as the next"}'
     FROM bumped
-    WHERE a.execution_id = bumped.execution_id AND a.attempt = bumped.attempt - 1
+    WHERE a.execution_id = bumped.execution_id AND a.scheduled_for = bumped.scheduled_for
+      AND a.attempt = bumped.attempt - 1
       AND a.outcome = 'running'
 )
 SELECT execution_id, attempt FROM bumped;

@@ -16,6 +16,7 @@ from tests.services import Services, with_database
 EXPECTED_TABLES = {
     "tenants", "api_keys", "jobs", "idempotency_keys", "due_index", "executions",
     "execution_attempts", "shard_leases", "scheduler_nodes", "schema_migrations",
+    "retention_archives",
 }
 
 
@@ -61,8 +62,66 @@ async def test_concurrent_runs_apply_each_migration_once(empty_db: str) -> None:
         assert await conn.fetchval(
             "SELECT partstrat FROM pg_partitioned_table WHERE partrelid = 'executions'::regclass"
         ) == b"r"
+        assert await conn.fetchval(
+            "SELECT partstrat FROM pg_partitioned_table "
+            "WHERE partrelid = 'execution_attempts'::regclass") == b"r"
+        attempts_pk = await conn.fetchval(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+            "WHERE conrelid = 'execution_attempts'::regclass AND contype = 'p'")
+        assert attempts_pk == "PRIMARY KEY (execution_id, scheduled_for, attempt)"
+        assert await _partitions(conn, "execution_attempts") == await _partitions(
+            conn, "executions")
     finally:
         await conn.close()
+
+
+async def _partitions(conn: asyncpg.Connection, parent: str) -> list[tuple[str, str]]:
+    """(day suffix, bound) of each partition of `parent`, the default one included."""
+    rows = await conn.fetch(
+        "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) AS bound FROM pg_inherits i "
+        "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = $1::regclass "
+        "ORDER BY c.relname", parent)
+    return [(r["relname"].removeprefix(parent), r["bound"]) for r in rows]
+
+
+async def test_existing_attempts_move_into_daily_partitions(empty_db: str) -> None:
+    """0006 partitions execution_attempts by day like executions: every row of an earlier
+    release is kept, in the partition of its day (or the default one, as its execution)."""
+    earlier = [m for m in migrate.available() if m.version < 6]
+    conn = await asyncpg.connect(empty_db)
+    try:
+        await conn.execute("SET TIME ZONE 'UTC'")
+        await conn.execute(q("migrations_table"))
+        for migration in earlier:
+            await conn.execute(migration.path.read_text())
+            await conn.execute(q("migrations_record"), migration.version, migration.name)
+        today, old = uuid.uuid4(), uuid.uuid4()
+        await conn.execute(
+            "INSERT INTO executions (execution_id, job_id, tenant_id, scheduled_for, state) "
+            "VALUES ($1, $3, $3, date_trunc('hour', now()), 'succeeded'), "
+            "($2, $3, $3, '2020-01-01T10:00:00Z', 'dead')", today, old, uuid.uuid4())
+        await conn.execute(
+            "INSERT INTO execution_attempts (execution_id, attempt, scheduled_for, worker_id, "
+            "outcome, error) SELECT e.execution_id, n, e.scheduled_for, 'w' || n, "
+            "CASE WHEN n = 3 THEN 'succeeded' ELSE 'failed' END, '{\"type\": \"E\"}' "
+            "FROM executions e, generate_series(1, 3) n WHERE n = 1 OR e.execution_id = $1",
+            today)
+        before = await conn.fetch("SELECT * FROM execution_attempts ORDER BY 1, 2")
+        await migrate.apply(empty_db)
+        after = await conn.fetch(
+            "SELECT execution_id, attempt, scheduled_for, worker_id, started_at, finished_at, "
+            "outcome, error, tableoid::regclass::text AS partition FROM execution_attempts "
+            "ORDER BY 1, 2")
+        days = await conn.fetch("SELECT execution_id, tableoid::regclass::text AS partition "
+                                "FROM executions")
+    finally:
+        await conn.close()
+    assert [tuple(r) for r in before] == [tuple(r)[:-1] for r in after]
+    where = {r["execution_id"]: r["partition"].replace("executions", "execution_attempts")
+             for r in days}
+    assert [r["partition"] for r in after] == [where[r["execution_id"]] for r in after]
+    assert where[old] == "execution_attempts_default"
+    assert where[today] != "execution_attempts_default"
 
 
 async def test_partitions_are_created_ahead_and_rescue_default_rows(db) -> None:
@@ -80,6 +139,10 @@ async def test_partitions_are_created_ahead_and_rescue_default_rows(db) -> None:
         assert await conn.fetchval("SELECT count(*) FROM executions_20310504") == 1
         assert await conn.fetchval(
             "SELECT herdwick_ensure_execution_partitions('2031-05-03', 3)") == 0
+        # The attempts of each day get their partition beside its executions'.
+        assert await conn.fetchval("SELECT count(*) FROM pg_inherits WHERE inhrelid IN "
+                                   "('execution_attempts_20310503'::regclass, "
+                                   "'execution_attempts_20310505'::regclass)") == 2
 
 
 async def test_infinite_due_times_of_earlier_releases_become_due_at_once(empty_db: str) -> None:
