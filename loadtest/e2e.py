@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import sys
 import time
 from datetime import UTC, datetime
 from typing import Annotated
@@ -39,6 +38,7 @@ from herdwick.loadtest.driver import (
     scratch_prefix,
     worker_processes,
 )
+from herdwick.loadtest.html_report import check_path, write_report
 from herdwick.loadtest.jobs import (
     INSERT_CONNECTIONS,
     JobFactory,
@@ -60,7 +60,8 @@ from herdwick.loadtest.measure import (
     lease_lags_by_kind,
 )
 from herdwick.loadtest.outcomes import History, Outcomes, drain, history_of, uuid7_floor
-from herdwick.loadtest.report import Progress, memory_line
+from herdwick.loadtest.report import Progress, add_report_flags, memory_line
+from herdwick.loadtest.timeline import Timeline, leases_per_second
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
 
@@ -108,6 +109,8 @@ class Report(msgspec.Struct, kw_only=True):
     pg_transactions_per_execution: float
     redis_commands_per_execution: float
     history: History
+    # Per second from the herd's due second (else the steady start): leases and their lag.
+    timeline: Timeline | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--timeout", type=float, default=180.0,
       help="give up waiting after this many seconds; default 180")
     add_scratch_flags(parser)
+    add_report_flags(parser)
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
@@ -191,8 +195,10 @@ async def _insert_herd(db: Database, plan: Plan, factory: JobFactory,
         return None
     parked = parking_time()
     batches = herd_batches(factory, tenants, tenant_counts(plan.jobs, plan.tenants, 0.0), parked)
-    progress.set("insert")
-    await insert_batches(db, batches, INSERT_CONNECTIONS, lambda n: None)
+    inserted = [0]
+    progress.set("submitting", done=lambda: inserted[0], total=plan.jobs)
+    await insert_batches(db, batches, INSERT_CONNECTIONS,
+                         lambda n: inserted.__setitem__(0, inserted[0] + n))
     return parked
 
 
@@ -211,7 +217,8 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         before = await server_counts(db, client)
         sampler = StreamSampler(client, prefix, [pool])
         await sampler.baseline()
-        steady_from = uuid7_floor(datetime.now(UTC))
+        steady_start = datetime.now(UTC)
+        steady_from = uuid7_floor(steady_start)
         due = None
         if parked is not None:
             due = due_second(plan.due_in_s)
@@ -219,12 +226,22 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         background = Background(plan.rate, plan.duration_s, plan.delay_s, db,
                                 HotTier(client, prefix), tenants, factory)
         outcomes = Outcomes(db, plan.jobs, steady_from)
-        progress.set("e2e", outcomes.detail)
+        progress.set("draining", outcomes.detail,
+                     done=lambda: outcomes.herd + outcomes.steady,
+                     total=plan.jobs + round(plan.rate * plan.duration_s),
+                     due_at=None if due is None else due.timestamp())
         await drain(outcomes, sampler, background, plan.rate, [*procs, *workers], deadline)
         await sampler.sample()  # the last one when all have succeeded: what is left behind
         spent = (await server_counts(db, client)).minus(before)
         lags = await lease_lags_by_kind(db, steady_from)
         history = await history_of(db)
+        origin = due or steady_start
+        timeline = Timeline(
+            origin=origin, x_label="s after the herd's due second" if due
+            else "s after the steady load began",
+            count_label="executions leased per second", lag_label="due -> lease lag, ms",
+            series=await leases_per_second(db, {"herd": [t.tenant_id for t in tenants]},
+                                           steady_from, origin.timestamp()))
     herd_lag, steady_lag = lags.get(False), lags.get(True)
     after_due = None if due is None else outcomes.herd_done_at - due.timestamp()
     executions = plan.jobs + background.made
@@ -243,7 +260,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         streams=sampler.streams(), redis_memory=sampler.memory(),
         pg_transactions_per_execution=round(xacts / executions, 3),
         redis_commands_per_execution=round(commands / executions, 3),
-        history=history)
+        history=history, timeline=timeline)
 
 
 def _steady(plan: Plan, outcomes: Outcomes, background: Background, lag: LeaseLag) -> Steady:
@@ -299,8 +316,29 @@ async def command(args: argparse.Namespace) -> int:
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    progress = Progress(sys.stderr)
+    check_path(args.report)
+    started = datetime.now(UTC)
+    progress = Progress.of_args(args, "e2e")
     async with running(progress.run()):
         report = await run(args, progress)
-    print(msgspec.json.encode(report).decode() if args.json else render_text(report))
+    text = render_text(report)
+    print(msgspec.json.encode(report).decode() if args.json else text)
+    write_report(args, "loadtest e2e", report, text, headline(report), report.timeline, started)
     return 0 if report.history.sound else 1
+
+
+def headline(r: Report) -> list[tuple[str, str]]:
+    """The figures a reader looks for first, as the text says them."""
+    found = [("executions succeeded", f"{r.succeeded:,}")]
+    if r.lease_lag_ms is not None:
+        found += [("herd: all succeeded after due", f"{r.last_succeeded_after_due_s} s"),
+                  ("herd: jobs/s end to end", f"{r.jobs_per_s:,}"),
+                  ("herd: due -> lease p50 / p99 / max ms", _lags(r.lease_lag_ms))]
+    if (s := r.steady) is not None:
+        found += [("steady: rate", f"{s.rate_per_s:g} jobs/s for {s.duration_s:g} s"),
+                  ("steady: due -> lease p50 / p99 / max ms", _lags(s.lease_lag_ms))]
+    return [*found, ("history", "sound" if r.history.sound else "GAPS")]
+
+
+def _lags(lag: dict[str, float]) -> str:
+    return f"{lag['p50']} / {lag['p99']} / {lag['max']}"

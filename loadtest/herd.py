@@ -67,8 +67,10 @@ from herdwick.loadtest.herd_report import (
     ratios,
     raw_lines,
     scheduler_cost,
+    timeline_of,
     warnings,
 )
+from herdwick.loadtest.html_report import check_path, write_report
 from herdwick.loadtest.jobs import (
     JobFactory,
     TenantRef,
@@ -97,7 +99,8 @@ from herdwick.loadtest.raw_limits import (
     heap_memory,
     raw_limits,
 )
-from herdwick.loadtest.report import Progress, render_json
+from herdwick.loadtest.report import Progress, add_report_flags, render_json
+from herdwick.loadtest.timeline import Timeline
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
 
@@ -158,6 +161,8 @@ class Report(msgspec.Struct, frozen=True, kw_only=True):
     ratios: list[Ratio]
     profiles: list[str]
     warnings: list[str]  # what makes this run's figures doubtful
+    # Per second from the herd's due second: entries XADDed to the ready streams, their lag.
+    timeline: Timeline | None = None
 
     @property
     def complete(self) -> bool:
@@ -240,7 +245,7 @@ async def _insert_parked(s: Stack) -> tuple[datetime | None, float]:
         s.watch.expect(HERD, jobs, tenant)
     s.watch.close(HERD)
     inserted = [0]
-    s.progress.set("insert", lambda: f"inserted {inserted[0]}/{s.plan.jobs}")
+    s.progress.set("submitting", done=lambda: inserted[0], total=s.plan.jobs)
     start = time.perf_counter()
     await insert_batches(s.db, batches, s.plan.insert_connections,
                          lambda n: inserted.__setitem__(0, inserted[0] + n))
@@ -252,14 +257,22 @@ async def _dispatch_phase(s: Stack, parked: datetime | None, insert_s: float,
     """Move the herd to its due second, run the background, wait until all is on the
     streams (or the deadline); CPU is marked around the herd, else around the background."""
     w = s.watch
-    s.progress.set("herd", lambda: f"herd {w.seen[HERD]}/{w.expected[HERD]}  background "
-                                   f"{w.seen[BACKGROUND]}/{w.expected[BACKGROUND]}")
+    p = s.plan
+
+    def on_the_streams(due_at: datetime | None = None) -> None:
+        s.progress.set("on the streams", lambda: f"herd {w.seen[HERD]}/{w.expected[HERD]}  "
+                       f"background {w.seen[BACKGROUND]}/{w.expected[BACKGROUND]}",
+                       done=lambda: w.seen[HERD] + w.seen[BACKGROUND],
+                       total=p.jobs + p.background_jobs,
+                       due_at=None if due_at is None else due_at.timestamp())
+
+    on_the_streams()
     await s.sampler.baseline()
     start = s.probe.mark()
     due_at, move_s, lead_s = None, 0.0, 0.0
     if parked is not None:
         due_at, move_s, lead_s = await _move(s, parked)
-    p = s.plan
+        on_the_streams(due_at)
     background = Background(p.rate, p.duration_s, p.delay_s, s.db, HotTier(s.client, s.prefix),
                             s.tenants, s.factory,
                             lambda tenant, jobs: w.expect(BACKGROUND, jobs, tenant))
@@ -354,7 +367,8 @@ async def run(options: Options, progress: Progress) -> Report:
     return Report(started_at=started, plan=plan, machine=machine, heap=heap, raw=raw,
                   herd=herd, background=background,
                   cost=cost, redis_memory=stack.sampler.memory(), ratios=ratios(herd, raw),
-                  profiles=profiles, warnings=warnings(herd, cost, watch))
+                  profiles=profiles, warnings=warnings(herd, cost, watch),
+                  timeline=timeline_of(times, watch))
 
 
 # --- the report as text ----------------------------------------------------------------------
@@ -414,6 +428,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--py-spy", metavar="DIR", dest="py_spy",
       help="record each scheduler with py-spy during the herd (speedscope JSON in DIR)")
     a("--json", action="store_true", help="the report as JSON")
+    add_report_flags(parser)
 
 
 _PLAN_FLAGS = {"jobs": "jobs", "tenants": "tenants", "pools": "pools", "skew": "skew",
@@ -449,17 +464,39 @@ async def command(args: argparse.Namespace) -> int:
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    progress = Progress(sys.stderr)
+    progress = Progress.of_args(args, "herd")
     options = options_from(args)
+    check_path(args.report)
     try:
         report = await run(options, progress)
     except TimeoutError:
         # The hard bound: a stage that should have given up at --timeout did not.
         raise RunFailed(f"gave up {options.plan.timeout_s + CLEANUP_GRACE_S:g} s in, in "
                         f"stage {progress.phase!r} ({progress.detail()})") from None
-    sys.stdout.write(render_json(report) if args.json else render_text(report))
+    text = render_text(report)
+    sys.stdout.write(render_json(report) if args.json else text)
     sys.stdout.flush()
+    write_report(args, "loadtest herd", report, text, headline(report), report.timeline,
+                 report.started_at)
     return 0 if report.complete else 1
+
+
+def headline(r: Report) -> list[tuple[str, str]]:
+    """The figures a reader looks for first, as the text says them."""
+    found = []
+    if (h := r.herd) is not None:
+        found += [("herd: jobs/s onto the streams", f"{h.jobs_per_s:,.0f}"),
+                  ("herd: last entry after due", f"{h.last_after_due_ms:.0f} ms"),
+                  ("herd: due -> XADD p50 / p99 / max ms",
+                   f"{h.lag.p50_ms:.0f} / {h.lag.p99_ms:.0f} / {h.lag.max_ms:.0f}")]
+    if (b := r.background) is not None:
+        found.append(("background: due -> XADD p50 / p99 / max ms",
+                      f"{b.lag.p50_ms:.0f} / {b.lag.p99_ms:.0f} / {b.lag.max_ms:.0f}"))
+    c = r.cost
+    found.append(("scheduler CPU", f"{c.cpu_s:.2f} s for {c.jobs} jobs = {c.cpu_s_per_1000:.3f}"
+                                   " s per 1,000"))
+    found += [(f"herd / raw: {x.figure}", f"{x.herd_over_raw:.2f}") for x in r.ratios[-1:]]
+    return [*found, ("streams", "complete" if r.complete else "INCOMPLETE")]
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ probes read, and those figures as text (herd.py puts the report together)."""
 from __future__ import annotations
 
 import collections
+import math
 import os
 from datetime import datetime
 
@@ -20,6 +21,7 @@ from herdwick.loadtest.raw_limits import (
     RawLimits,
 )
 from herdwick.loadtest.report import lag_header, lag_row, memory_line
+from herdwick.loadtest.timeline import Timeline, at_epoch, per_second
 
 MIN_LEAD_S = 2.5  # a shard loads every 2 s: a herd moved later than this may be loaded late
 BUSY_WARN_SHARE = 0.2  # the machine busier than this before the load: other work skews it
@@ -154,6 +156,30 @@ def background_result(rate: float, duration_s: float, delay_s: float, times: Her
         check=watch.check(BACKGROUND), generator_late_max_ms=times.background_late_s * 1000,
         lag=lag_of([lag for _, lag in lags]),
         tenants=tenant_lags(lags, tenants, even_split(watch.expected[BACKGROUND], len(tenants))))
+
+
+def timeline_of(times: HerdTimes, watch: Watch) -> Timeline | None:
+    """The entries the consumers saw, by second of their XADD from the due second (without
+    a herd, from the first background entry's second); lag as in the tables."""
+    herd, background = watch.entries[HERD], watch.entries[BACKGROUND]
+    if not herd and not background:
+        return None
+    if times.due_at is not None:
+        origin_s = times.due_at.timestamp()
+    else:
+        origin_s = math.floor(min(added_ms for _, added_ms, _ in background) / 1000)
+    series = []
+    for name, entries in (("herd", herd), ("background", background)):
+        lags = _lags_ms(entries)
+        found = per_second(name, [(added_ms / 1000 - origin_s, lag, 1) for (_, added_ms, _), (
+            _, lag) in zip(entries, lags, strict=True)])
+        if found.seconds:
+            series.append(found)
+    return Timeline(origin=at_epoch(origin_s),
+                    x_label="s after the herd's due second" if times.due_at is not None
+                    else "s after the first background entry's second",
+                    count_label="entries XADDed to the ready streams per second",
+                    lag_label="due -> XADD lag, ms", series=series)
 
 
 def scheduler_cost(processes: int, times: HerdTimes, watch: Watch) -> SchedulerCost:

@@ -59,6 +59,7 @@ from herdwick.loadtest.driver import (
     scratch_name,
     scratch_prefix,
 )
+from herdwick.loadtest.html_report import check_path, write_report
 from herdwick.loadtest.http_raw import RawHttp, raw_http
 from herdwick.loadtest.jobs import (
     INSERT_CONNECTIONS,
@@ -85,7 +86,8 @@ from herdwick.loadtest.measure import (
 from herdwick.loadtest.outcomes import History, Outcomes, drain, history_of, uuid7_floor
 from herdwick.loadtest.profiled import profile_path
 from herdwick.loadtest.receiver import read_record
-from herdwick.loadtest.report import Progress, memory_line, render_json
+from herdwick.loadtest.report import Progress, add_report_flags, memory_line, render_json
+from herdwick.loadtest.timeline import Timeline, at_epoch, per_second
 from herdwick.storage import signing
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
@@ -222,6 +224,9 @@ class Report(msgspec.Struct, kw_only=True):
     history: History
     profiles: list[str] = []  # --profile: the http workers' cProfile stats
     raw_limit: RawHttp | None = None  # --raw-limit
+    # Per second from the herd's due second (else the steady start): callbacks arrived at
+    # the healthy receivers, and their due -> arrival lag.
+    timeline: Timeline | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -261,6 +266,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="run each http worker under cProfile, its stats written to DIR/herdwick.cli-PID"
            ".prof when it stops (slower: for where the time goes, not for throughput)")
     add_scratch_flags(parser)
+    add_report_flags(parser)
     a("--raw-limit", action="store_true",
       help="after the run, the raw limit beside it: the same number of deliveries published "
            "straight onto the http stream, through one http-worker with the same flags, no "
@@ -360,8 +366,10 @@ async def _insert_herd(db: Database, plan: Plan, factory: JobFactory,
         return None
     parked = parking_time()
     batches = herd_batches(factory, tenants, tenant_counts(plan.jobs, plan.tenants, 0.0), parked)
-    progress.set("insert")
-    await insert_batches(db, batches, INSERT_CONNECTIONS, lambda n: None)
+    inserted = [0]
+    progress.set("submitting", done=lambda: inserted[0], total=plan.jobs)
+    await insert_batches(db, batches, INSERT_CONNECTIONS,
+                         lambda n: inserted.__setitem__(0, inserted[0] + n))
     return parked
 
 
@@ -370,6 +378,7 @@ class _Window:
     """What the drain leaves for the report, read before the processes stop."""
 
     due: datetime | None
+    started_s: float  # wall clock at the move (or the steady start)
     outcomes: Outcomes
     background: Background
     cpu: KindsCpu
@@ -426,7 +435,8 @@ async def _drain(plan: Plan, db: Database, dsn: str,
     await sampler.baseline()
     pid = await redis_pid(client)
     probe = KindsProbe({**kinds, **({"redis": [pid]} if pid else {})}, _database_of(dsn))
-    steady_from = uuid7_floor(datetime.now(UTC))
+    started_s = time.time()
+    steady_from = uuid7_floor(at_epoch(started_s))
     start = probe.read()
     due = None
     if parked is not None:
@@ -435,7 +445,9 @@ async def _drain(plan: Plan, db: Database, dsn: str,
     background = Background(plan.rate, plan.duration_s, plan.delay_s, db,
                             HotTier(client, prefix), tenants, factory)
     outcomes = Outcomes(db, plan.healthy_of(plan.jobs), steady_from, plan.healthy_of)
-    progress.set("http", outcomes.detail)
+    progress.set("draining", outcomes.detail, done=lambda: outcomes.herd + outcomes.steady,
+                 total=outcomes.herd_jobs + plan.healthy_of(round(plan.rate * plan.duration_s)),
+                 due_at=None if due is None else due.timestamp())
     async with running(_mark_at(probe, due, start), "the due-time CPU mark") as at_due:
         await drain(outcomes, sampler, background, plan.rate, procs, deadline)
     end = probe.read()
@@ -449,7 +461,7 @@ async def _drain(plan: Plan, db: Database, dsn: str,
         lease = await conn.fetchrow(_LEASE_LAG, healthy, steady_from) if due else None
     targets = {url: {**executions.get(url, {}), **attempts.get(url, {})}
                for url in {*executions, *attempts}}
-    return _Window(due=due, outcomes=outcomes, background=background, cpu=cpu,
+    return _Window(due=due, started_s=started_s, outcomes=outcomes, background=background, cpu=cpu,
                    drain_cpu=drain_cpu, targets=targets, history=await history_of(db),
                    sampler=sampler,
                    lease_lag=None if lease is None or lease["lag_ms"] is None
@@ -511,7 +523,24 @@ def _report(plan: Plan, load: float, w: _Window, urls: list[str],
         steady=_steady(plan, w, steady_lags), targets=targets, cpu=w.cpu,
         drain_cpu=w.drain_cpu,
         cpu_per_1000_callbacks=w.cpu.per_1000(callbacks), streams=w.sampler.streams(),
-        redis_memory=w.sampler.memory(), history=w.history, profiles=profiles)
+        redis_memory=w.sampler.memory(), history=w.history, profiles=profiles,
+        timeline=_timeline(w, records))
+
+
+def _timeline(w: _Window, records: dict[str, list[tuple[float, float]]]) -> Timeline:
+    """Arrivals at the healthy receivers by second, the herd's and the steady jobs'."""
+    herd_due = None if w.due is None else w.due.timestamp()
+    origin = w.started_s if herd_due is None else herd_due
+    seen = [pair for pairs in records.values() for pair in pairs if not math.isnan(pair[1])]
+    series = [per_second(name, [(arrived - origin, (arrived - due) * 1000, 1)
+                                for arrived, due in seen if (due == herd_due) == is_herd])
+              for name, is_herd in (("herd", True), ("steady", False))]
+    return Timeline(origin=at_epoch(origin),
+                    x_label="s after the herd's due second" if herd_due is not None
+                    else "s after the steady load began",
+                    count_label="callbacks arrived at the receivers per second",
+                    lag_label="due -> arrival lag, ms",
+                    series=[s for s in series if s.seconds])
 
 
 def _steady(plan: Plan, w: _Window, lags: list[float]) -> Steady | None:
@@ -627,8 +656,29 @@ async def command(args: argparse.Namespace) -> int:
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    progress = Progress(sys.stderr, label="http")
+    check_path(args.report)
+    started = datetime.now(UTC)
+    progress = Progress.of_args(args, "http")
     async with running(progress.run()):
         report = await run(args, progress)
-    sys.stdout.write(render_json(report) if args.json else render_text(report))
+    text = render_text(report)
+    sys.stdout.write(render_json(report) if args.json else text)
+    write_report(args, "loadtest http", report, text, headline(report), report.timeline,
+                 started)
     return 0 if report.history.sound else 1
+
+
+def headline(r: Report) -> list[tuple[str, str]]:
+    """The figures a reader looks for first, as the text says them."""
+    found = [("callbacks succeeded", f"{r.callbacks:,}")]
+    if r.callbacks_per_s is not None:
+        found += [("herd: callbacks/s", f"{r.callbacks_per_s:,}"),
+                  ("herd: all healthy ones succeeded after due", f"{r.drained_after_due_s} s")]
+    if (lag := r.arrival_lag) is not None:
+        found.append(("herd: due -> arrival p50 / p99 / max ms",
+                      f"{lag.p50_ms:.0f} / {lag.p99_ms:.0f} / {lag.max_ms:.0f}"))
+    found += [("CPU s per 1,000 callbacks", ", ".join(
+        f"{k} {v:.3f}" for k, v in r.cpu_per_1000_callbacks.items()))]
+    if (raw := r.raw_limit) is not None:
+        found.append(("raw limit, one http-worker alone", f"{raw.callbacks_per_s:,} callbacks/s"))
+    return [*found, ("history", "sound" if r.history.sound else "GAPS")]

@@ -42,6 +42,7 @@ from herdwick.loadtest.driver import (
     scratch_prefix,
     worker_processes,
 )
+from herdwick.loadtest.html_report import check_path, write_report
 from herdwick.loadtest.jobs import (
     INSERT_CONNECTIONS,
     JobFactory,
@@ -63,7 +64,8 @@ from herdwick.loadtest.measure import (
     lease_lags_by_tenant,
 )
 from herdwick.loadtest.outcomes import History, Outcomes, drain, history_of, uuid7_floor
-from herdwick.loadtest.report import Progress, memory_line, render_json
+from herdwick.loadtest.report import Progress, add_report_flags, memory_line, render_json
+from herdwick.loadtest.timeline import Timeline, leases_per_second
 from herdwick.model import TenantSpec
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
@@ -151,6 +153,8 @@ class Report(msgspec.Struct, frozen=True, kw_only=True):
     streams: StreamSamples
     redis_memory: RedisMemory
     history: History
+    # Per second from the due second: leases of the noisy, quiet and steady tenants, lag.
+    timeline: Timeline | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -181,6 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--timeout", type=float, default=600.0,
       help="give up waiting after this many seconds; default 600")
     add_scratch_flags(parser)
+    add_report_flags(parser)
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
@@ -270,11 +275,12 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
     factory = JobFactory([pool])
     herd_jobs = plan.jobs + plan.quiet_tenants * plan.quiet_jobs
     parked = parking_time()
-    progress.set("insert")
+    inserted = [0]
+    progress.set("submitting", done=lambda: inserted[0], total=herd_jobs)
     await insert_batches(db, herd_batches(factory, [noisy, *quiet],
                                           [plan.jobs] + [plan.quiet_jobs] * len(quiet),
                                           parked, spread=True),
-                         INSERT_CONNECTIONS, lambda n: None)
+                         INSERT_CONNECTIONS, lambda n: inserted.__setitem__(0, inserted[0] + n))
     order = {"HERDWICK_DISPATCH_ORDER": "fair" if plan.fair else "fifo"}
     async with scheduler_processes(plan.schedulers, dsn, args.redis_url, prefix,
                                    ready_max=plan.ready_max, **order) as procs, \
@@ -289,10 +295,20 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         background = Background(plan.rate, plan.duration_s, 2.5, db, HotTier(client, prefix),
                                 steady_tenants, factory)
         outcomes = Outcomes(db, herd_jobs, steady_from)
-        progress.set("drain", outcomes.detail)
+        progress.set("draining", outcomes.detail,
+                     done=lambda: outcomes.herd + outcomes.steady,
+                     total=herd_jobs + round(plan.rate * plan.duration_s),
+                     due_at=due.timestamp())
         await drain(outcomes, sampler, background, plan.rate, [*procs, *workers], deadline)
         await sampler.sample()
     by_tenant = await lease_lags_by_tenant(db)
+    timeline = Timeline(
+        origin=due, x_label="s after the herd's due second",
+        count_label="executions leased per second", lag_label="due -> lease lag, ms",
+        series=await leases_per_second(
+            db, {NOISY: [noisy.tenant_id], "quiet": [t.tenant_id for t in quiet],
+                 "steady": [t.tenant_id for t in steady_tenants]},
+            steady_from, due.timestamp()))
     quiet_leases = [by_tenant.get(t.tenant_id) for t in quiet]
     noisy_drain = await drain_rate(db, [noisy.tenant_id])
     pool = [noisy.tenant_id, *(t.tenant_id for t in quiet)]
@@ -310,7 +326,8 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         steady=(await _group_lag(db, "steady", background.made, steady_tenants)
                 if plan.rate else None),
         drained_after_due_s=round(outcomes.herd_done_at - due.timestamp(), 2),
-        streams=sampler.streams(), redis_memory=sampler.memory(), history=await history_of(db))
+        streams=sampler.streams(), redis_memory=sampler.memory(), history=await history_of(db),
+        timeline=timeline)
 
 
 def _row(t: TenantLag) -> str:
@@ -356,9 +373,29 @@ async def command(args: argparse.Namespace) -> int:
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    progress = Progress(sys.stderr, label="noisy")
+    check_path(args.report)
+    started = datetime.now(UTC)
+    progress = Progress.of_args(args, "noisy")
     async with running(progress.run()):
         report = await run(args, progress)
-    sys.stdout.write(render_json(report) if args.json else render_text(report))
+    text = render_text(report)
+    sys.stdout.write(render_json(report) if args.json else text)
+    write_report(args, "loadtest noisy-neighbour", report, text, headline(report),
+                 report.timeline, started)
     return 0 if report.history.sound else 1
+
+
+def headline(r: Report) -> list[tuple[str, str]]:
+    """The figures a reader looks for first, as the text says them."""
+    n = r.noisy
+    return [("fair queuing", "on" if r.plan.fair else "off"),
+            ("quiet tenants: due -> lease p50 / p99 / max ms",
+             f"{r.quiet.p50_ms:.0f} / {r.quiet.p99_ms:.0f} / {r.quiet.max_ms:.0f}"),
+            ("noisy tenant: due -> lease p50 / p99 / max ms",
+             f"{n.lag.p50_ms:.0f} / {n.lag.p99_ms:.0f} / {n.lag.max_ms:.0f}"),
+            ("noisy drain", f"{n.drain_per_s:,} jobs/s, {n.share_of_pool:.0%} of the pool's "
+                            f"{r.pool_drain_per_s:,}"),
+            ("Jain's index, quiet tenants", f"{r.quiet_jain_index}"),
+            ("every herd execution succeeded after due", f"{r.drained_after_due_s} s"),
+            ("history", "sound" if r.history.sound else "GAPS")]
 

@@ -300,10 +300,10 @@ async def raw_redis(url: str, by_pool: ByPool, progress: Progress) -> tuple[floa
     client = aioredis.from_url(url)
     try:
         await HotTier(client, prefixes[0]).load_functions()
-        progress.set("raw-publish")
+        progress.set("raw limit: hw_publish")
         client_s = await raw_publish_client(HotTier(client, prefixes[0]), by_pool)
         bare_s = await raw_publish_bare(url, prefixes[1], by_pool)
-        progress.set("raw-xadd")
+        progress.set("raw limit: XADD")
         xadd_s = await raw_xadd_bare(url, prefixes[2], by_pool)
     finally:
         for prefix in prefixes:
@@ -334,7 +334,7 @@ async def raw_limits(database_url: str, redis_url: str, shape: RawShape,
                                                       shape.connections))
         try:
             due_keys = await _insert_raw_herd(db, shape, progress)
-            progress.set("raw-dispatch")
+            progress.set("raw limit: dispatch transactions")
             dispatch_s, results = await raw_dispatch(db, due_keys, shape.connections)
         finally:
             await db.close()
@@ -354,7 +354,7 @@ async def _insert_raw_herd(db: Database, shape: RawShape, progress: Progress) ->
                            tenant_counts(shape.jobs, shape.tenants, shape.skew),
                            datetime.now(UTC))
     inserted = [0]
-    progress.set("raw-insert", lambda: f"inserted {inserted[0]}")
+    progress.set("raw limit: submitting", done=lambda: inserted[0], total=shape.jobs)
     await insert_batches(db, batches, shape.insert_connections,
                          lambda n: inserted.__setitem__(0, inserted[0] + n))
     due_keys = [DueKey(j.shard_id, j.next_run_at, j.job_id) for _, jobs in batches for j in jobs]

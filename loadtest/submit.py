@@ -58,8 +58,17 @@ from herdwick.errors import HerdwickError
 from herdwick.gateway.herd import herd_check
 from herdwick.gateway.submit import prepare
 from herdwick.ids import shard_of, uuid7
-from herdwick.loadtest.driver import api_processes, require_loopback, scratch_database, scratch_name
+from herdwick.loadtest import html_report
+from herdwick.loadtest.driver import (
+    api_processes,
+    require_loopback,
+    running,
+    scratch_database,
+    scratch_name,
+)
 from herdwick.loadtest.measure import CpuProbe, Machine, machine_info
+from herdwick.loadtest.report import Progress, add_report_flags
+from herdwick.loadtest.timeline import Second, Series, Timeline, per_second
 from herdwick.model import MAX_BATCH_JOBS, JobSpec, TenantSpec
 from herdwick.storage import jobs as store
 from herdwick.storage.db import Database
@@ -76,7 +85,6 @@ DISTINCT_BODIES = 1024  # single bodies, cycled; batch bodies are slices of them
 REQUEST_TIMEOUT_S = 30.0
 API_START_TIMEOUT_S = 30.0
 API_STOP_TIMEOUT_S = 10.0
-PROGRESS_EVERY_S = 1.0
 CLEANUP_CLIENTS = 16  # concurrent DELETEs after a run with --url
 CLEANUP_PASSES = 3  # deletes that failed transiently (5xx, 429, no answer) are retried
 CLEANUP_RETRY_PAUSE_S = 0.5  # between passes, jittered
@@ -154,6 +162,9 @@ class PhaseResult(msgspec.Struct, frozen=True, kw_only=True):
     errors: dict[str, int]  # by HTTP status or exception name, over the whole phase
     jobs_created: int  # every job a request created, warm-up and tail included
     cpu: Cpu
+    # By second of the measured window: jobs created by the requests answered in it, and
+    # those requests' latency.
+    per_second: list[Second] = []
 
 
 class Ratio(msgspec.Struct, frozen=True, kw_only=True):
@@ -234,6 +245,8 @@ class Recorder:
         self.ok = 0
         self.errors: collections.Counter[str] = collections.Counter()
         self.jobs_created = 0
+        # Each measured request: (s into the window, latency ms, jobs it created).
+        self.timeline: list[tuple[float, float, int]] = []
 
     def record(self, started: float, finished: float, outcome: str) -> None:
         if outcome == OK:
@@ -243,6 +256,9 @@ class Recorder:
         if self.window.measure_from <= finished < self.window.stop_at:
             self.latencies_s.append(finished - started)
             self.ok += outcome == OK
+            self.timeline.append((finished - self.window.measure_from,
+                                  (finished - started) * 1000,
+                                  self.jobs_per_request if outcome == OK else 0))
 
 
 def latency_of(samples_s: list[float]) -> Latency:
@@ -275,34 +291,15 @@ async def _cpu_in(window: Window, probe: CpuProbe) -> Cpu:
                capacity_s=(os.cpu_count() or 1) * (window.stop_at - window.measure_from))
 
 
-class Progress:
-    """One line a second on a stream (stderr in the command); silent without one."""
+async def watch(progress: Progress, name: Phase, rec: Recorder, window: Window) -> None:
+    """The phase on the progress bar: warm-up, then the measured window's jobs."""
+    def errors() -> str:
+        left = max(0.0, window.stop_at - time.perf_counter())
+        return f"errors {sum(rec.errors.values())}, {left:.0f} s left"
 
-    def __init__(self, stream: TextIO | None) -> None:
-        self._stream = stream
-
-    def say(self, text: str) -> None:
-        if self._stream is not None:
-            self._stream.write(text + "\n")
-            self._stream.flush()
-
-    async def watch(self, name: str, rec: Recorder, window: Window) -> None:
-        tick = window.start + PROGRESS_EVERY_S
-        while tick < window.stop_at:
-            await _sleep_until(tick)
-            self.say(self._line(name, rec, window, tick))
-            tick += PROGRESS_EVERY_S
-
-    @staticmethod
-    def _line(name: str, rec: Recorder, window: Window, now: float) -> str:
-        if now <= window.measure_from:
-            stage, jobs, elapsed = "warm-up", rec.jobs_created, now - window.start
-        else:
-            stage, elapsed = "measuring", now - window.measure_from
-            jobs = rec.ok * rec.jobs_per_request
-        rate = jobs / elapsed if elapsed > 0 else 0.0
-        return (f"{name:<11} {now - window.start:5.1f}s {stage:<9} {rate:9.0f} jobs/s "
-                f"errors={sum(rec.errors.values())}")
+    progress.set(f"{name} warm-up", errors, done=lambda: rec.jobs_created)
+    await _sleep_until(window.measure_from)
+    progress.set(f"{name} measuring", errors, done=lambda: rec.ok * rec.jobs_per_request)
 
 
 Send = Callable[[], Awaitable[str]]
@@ -321,7 +318,7 @@ async def run_phase(name: Phase, concurrency: int, jobs_per_request: int, send: 
     rec = Recorder(jobs_per_request, window)
     async with asyncio.TaskGroup() as tg:
         cpu = tg.create_task(_cpu_in(window, probe))
-        tg.create_task(progress.watch(name, rec, window))
+        tg.create_task(watch(progress, name, rec, window))
         for _ in range(concurrency):
             tg.create_task(_drive(send, rec, window.stop_at))
     requests = len(rec.latencies_s)
@@ -331,7 +328,8 @@ async def run_phase(name: Phase, concurrency: int, jobs_per_request: int, send: 
         requests_per_s=requests / plan.duration_s,
         jobs_per_s=rec.ok * jobs_per_request / plan.duration_s,
         latency=latency_of(rec.latencies_s), errors=dict(rec.errors),
-        jobs_created=rec.jobs_created, cpu=cpu.result())
+        jobs_created=rec.jobs_created, cpu=cpu.result(),
+        per_second=per_second(name, rec.timeline).seconds)
 
 
 # --- the jobs ------------------------------------------------------------------------------
@@ -583,20 +581,20 @@ class Canceller:
                                          headers=self._target.headers(),
                                          timeout=aiohttp.ClientTimeout(total=DELETE_TIMEOUT_S)
                                          ) as session:
-            ticker = asyncio.create_task(self._tell(progress, time.perf_counter()))
-            try:
-                for attempt in range(CLEANUP_PASSES):
-                    todo = [job_id for job_id, (_, retry) in self.left.items() if retry]
-                    if not todo:
-                        break
-                    if attempt:
-                        await asyncio.sleep(CLEANUP_RETRY_PAUSE_S * random.uniform(0.5, 1.5))
-                    ids = iter(todo)  # shared by the workers: each takes the next id
-                    async with asyncio.TaskGroup() as tg:
-                        for _ in range(min(CLEANUP_CLIENTS, len(todo))):
-                            tg.create_task(self._work(session, ids))
-            finally:
-                ticker.cancel()
+            progress.set("cleanup: canceling",
+                         lambda: f"failing {len(self.left) - self._untried()}",
+                         done=lambda: self.canceled + self.already_gone,
+                         total=len(self._ledger.job_ids))
+            for attempt in range(CLEANUP_PASSES):
+                todo = [job_id for job_id, (_, retry) in self.left.items() if retry]
+                if not todo:
+                    break
+                if attempt:
+                    await asyncio.sleep(CLEANUP_RETRY_PAUSE_S * random.uniform(0.5, 1.5))
+                ids = iter(todo)  # shared by the workers: each takes the next id
+                async with asyncio.TaskGroup() as tg:
+                    for _ in range(min(CLEANUP_CLIENTS, len(todo))):
+                        tg.create_task(self._work(session, ids))
 
     async def _work(self, session: aiohttp.ClientSession, ids: Iterator[str]) -> None:
         for job_id in ids:
@@ -615,13 +613,6 @@ class Canceller:
                 del self.left[job_id]
             else:
                 self.left[job_id] = (str(status), status in _TRANSIENT_STATUSES)
-
-    async def _tell(self, progress: Progress, started: float) -> None:
-        total = len(self._ledger.job_ids)
-        while True:
-            await asyncio.sleep(PROGRESS_EVERY_S)
-            progress.say(f"{'cleanup':<11} {time.perf_counter() - started:5.1f}s canceled "
-                         f"{self.canceled} of {total}, failing {len(self.left) - self._untried()}")
 
     def _untried(self) -> int:
         return sum(why == NOT_TRIED for why, _ in self.left.values())
@@ -810,6 +801,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--redis-url", help="default $HERDWICK_REDIS_URL, else 127.0.0.1:6379")
     a("--keep", action="store_true", help="keep the scratch database")
     a("--json", action="store_true", help="the report as JSON")
+    add_report_flags(parser)
 
 
 def options_from(args: argparse.Namespace) -> Options:
@@ -908,17 +900,38 @@ async def command(args: argparse.Namespace) -> int:
     could not be canceled.
     """
     options = options_from(args)
-    progress = Progress(sys.stderr)
+    html_report.check_path(args.report)
+    progress = Progress.of_args(args, "submit")
     main = asyncio.current_task()
     assert main is not None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, main.cancel)
     try:
-        report = await run(options, progress)
+        async with running(progress.run()):
+            report = await run(options, progress)
     except asyncio.CancelledError:
         # With --url the cleanup has said above what became of the jobs.
         progress.say("stopped by a signal" + ("; cleaned up" if options.url is None else ""))
         return 130
     write_report(report, sys.stdout, args.json)
+    html_report.write_report(args, "loadtest submit", report, render_text(report),
+                             headline(report), timeline_of(report), report.started_at)
     return 0 if report.passed else 1
+
+
+def timeline_of(report: Report) -> Timeline:
+    """Each phase's seconds, every phase from the start of its own measured window."""
+    return Timeline(origin=report.started_at, x_label="s into each phase's measured window",
+                    count_label="jobs created per second (by the requests answered in it)",
+                    lag_label="request latency, ms",
+                    series=[Series(name=p.name, seconds=p.per_second) for p in report.phases])
+
+
+def headline(r: Report) -> list[tuple[str, str]]:
+    """The figures a reader looks for first, as the text says them."""
+    found = [(f"{p.name}: jobs/s, latency p50 / p99 ms",
+              f"{p.jobs_per_s:,.0f}, {p.latency.p50_ms:.1f} / {p.latency.p99_ms:.1f}")
+             for p in r.phases]
+    found += [(f"HTTP / raw, {x.shape}", f"{x.http_over_raw:.2f}") for x in r.ratios]
+    return [*found, ("checks", "passed" if r.passed else "FAILED")]

@@ -13,6 +13,7 @@ import pytest
 from herdwick.config import ConfigError
 from herdwick.loadtest import http, receiver
 from herdwick.loadtest.report import Progress
+from tests.integration.report_checks import assert_plots_match, assert_self_contained, page_of
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +58,14 @@ async def test_a_tiny_herd_is_delivered_to_two_receivers(services) -> None:
     text = http.render_text(report)
     assert "300 callbacks succeeded" in text and "callbacks/s" in text
     assert msgspec.json.decode(msgspec.json.encode(report), type=http.Report) == report
+    # --report's plots: the arrivals second by second from the due second, each once
+    timeline = report.timeline
+    assert timeline is not None and [s.name for s in timeline.series] == ["herd"]
+    assert sum(x.count for x in timeline.series[0].seconds) == 300
+    assert timeline.series[0].seconds[0].t_s >= 0  # none arrived before it was due
+    page = page_of(report, text, timeline)
+    assert_self_contained(page)
+    assert_plots_match(page, timeline)
 
 
 async def test_a_down_target_opens_its_breaker_and_burns_nothing_once_open(services) -> None:

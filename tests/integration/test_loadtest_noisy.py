@@ -14,6 +14,7 @@ import pytest
 
 from herdwick.loadtest import noisy
 from herdwick.loadtest.report import Progress
+from tests.integration.report_checks import assert_plots_match, assert_self_contained, page_of
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +48,14 @@ async def test_quiet_tenants_are_served_ahead_of_a_noisy_backlog(services) -> No
     assert msgspec.json.decode(msgspec.json.encode(report), type=noisy.Report) == report
     text = noisy.render_text(report)
     assert "fair queuing on" in text and "noisy drain" in text
+    # --report's plots: each group's leases second by second, every one of them once
+    timeline = report.timeline
+    assert timeline is not None
+    assert {s.name: sum(x.count for x in s.seconds) for s in timeline.series} == {
+        "noisy": 1500, "quiet": 60}
+    page = page_of(report, text, timeline)
+    assert_self_contained(page)
+    assert_plots_match(page, timeline)
 
 
 def test_jain_index_is_one_when_alike_and_one_over_n_when_one_takes_all() -> None:

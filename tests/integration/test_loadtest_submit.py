@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import signal
 import sys
 import uuid
@@ -26,6 +27,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from herdwick.cli import main
 from herdwick.config import ConfigError, Settings
 from herdwick.gateway.app import create_app
+from herdwick.loadtest.driver import running
 from herdwick.loadtest.submit import (
     DISTINCT_BODIES,
     PHASES,
@@ -64,12 +66,14 @@ def assert_phase_adds_up(phase: PhaseResult) -> None:
 
 async def test_every_job_the_phases_report_is_in_the_database(api, db) -> None:
     out = io.StringIO()
-    progress = Progress(out)
+    progress = Progress(out, "submit", bar=True)  # forced: a StringIO is no terminal
     target = HttpTarget(url_of(api), api.key)
     bodies = job_bodies(DISTINCT_BODIES)
 
-    phases = await http_phases(TINY, target, bodies, CpuProbe(), progress)
-    phases += await raw_phases(TINY, db, uuid.UUID(api.tenant_id), bodies, CpuProbe(), progress)
+    async with running(progress.run()):
+        phases = await http_phases(TINY, target, bodies, CpuProbe(), progress)
+        phases += await raw_phases(TINY, db, uuid.UUID(api.tenant_id), bodies, CpuProbe(),
+                                   progress)
 
     assert sorted(p.name for p in phases) == sorted(PHASES)
     for phase in phases:
@@ -85,8 +89,10 @@ async def test_every_job_the_phases_report_is_in_the_database(api, db) -> None:
         by_name = {p.name: p for p in phases}
         assert r.http_over_raw == pytest.approx(
             by_name[f"http-{shape}"].jobs_per_s / by_name[f"raw-{shape}"].jobs_per_s)
-    lines = out.getvalue().splitlines()
-    assert {line.split()[0] for line in lines} == set(PHASES)  # a progress line a second
+    shown = out.getvalue()
+    for phase in phases:  # the bar showed each phase, then counted its measured jobs
+        assert f"submit {phase.name} measuring" in shown
+        assert sum(s.count for s in phase.per_second) == phase.ok * phase.jobs_per_request
 
 
 async def _hw_loadtest_databases(admin_dsn: str) -> set[str]:
@@ -261,13 +267,14 @@ async def test_a_delete_that_fails_for_a_moment_is_tried_again(
 async def test_a_run_stopped_by_a_signal_still_cancels_what_it_submitted(api, db,
                                                                          services) -> None:
     proc = await start_submit(services, api, "--clients", "2", "--warmup", "0.2",
-                              "--duration", "60", "--phases", "http-single")
+                              "--duration", "60", "--phases", "http-single", "--progress")
     assert proc.stderr is not None
-    seen = []
-    while not (line := await asyncio.wait_for(proc.stderr.readline(), 30)).startswith(
-            b"http-single"):  # its first progress line: the load is flowing
-        assert line, b"".join(seen).decode()
-        seen.append(line)
+    seen = b""
+    # Until the bar counts jobs: the load is flowing.
+    while not re.search(rb"http-single [a-z-]+: [1-9]\d* jobs", seen):
+        chunk = await asyncio.wait_for(proc.stderr.read(4096), 30)
+        assert chunk, seen.decode()
+        seen += chunk
     proc.send_signal(signal.SIGINT)
     stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout=60)
     assert proc.returncode == 130, stderr.decode()
