@@ -51,7 +51,8 @@ def bearer(request: web.Request) -> str:
     return token.strip()
 
 
-async def _owner(key: str, db: Database, cache: KeyCache) -> KeyOwner | None:
+async def key_owner(key: str, db: Database, cache: KeyCache) -> KeyOwner | None:
+    """The tenant whose API key this is, through the cache; None if it is no tenant's."""
     digest = hash_api_key(key)
     owner = cache.get(digest)
     if owner is None:
@@ -62,7 +63,7 @@ async def _owner(key: str, db: Database, cache: KeyCache) -> KeyOwner | None:
 
 
 async def tenant_of(request: web.Request, db: Database, cache: KeyCache) -> KeyOwner:
-    owner = await _owner(bearer(request), db, cache)
+    owner = await key_owner(bearer(request), db, cache)
     if owner is None:
         raise _unauthorized("the API key is not valid")
     return owner
@@ -75,12 +76,17 @@ async def admin_or_tenant(request: web.Request, admin_token: str | None, db: Dat
     With the admin API off, only tenant keys are tried: the route stays open to them.
     """
     token = bearer(request)
-    if admin_token is not None and same_secret(token, admin_token):
+    if is_admin_token(token, admin_token):
         return None
-    owner = await _owner(token, db, cache)
+    owner = await key_owner(token, db, cache)
     if owner is None:
         raise _unauthorized("the token is neither a tenant's API key nor the admin token")
     return owner
+
+
+def is_admin_token(token: str, admin_token: str | None) -> bool:
+    """In constant time; never true with the admin API off."""
+    return admin_token is not None and same_secret(token, admin_token)
 
 
 def require_admin(request: web.Request, admin_token: str | None) -> None:

@@ -47,12 +47,28 @@ async def dead_letters(request: web.Request) -> web.Response:
     return json_response(200, ExecutionPage(items=items, next_cursor=cursor))
 
 
+# Replay and trigger, with the notify after the commit: the /v1 handlers below and the
+# dashboard's buttons (gateway/ui.py) both call these.
+
+
+async def retry(ctx: Ctx, tenant_id: uuid.UUID, execution_id: uuid.UUID) -> None:
+    now = ctx.clock.now()
+    job_id, pool = await store.replay(ctx.db, tenant_id, execution_id, now)
+    await ctx.notify_due([(shard_of(job_id), job_id, now, tenant_id, pool)])
+
+
+async def trigger(ctx: Ctx, tenant_id: uuid.UUID, job_id: uuid.UUID) -> uuid.UUID:
+    job = await job_store.get_job(ctx.db, tenant_id, job_id)
+    execution_id, due = await store.trigger(ctx.db, tenant_id, job.job_id, job.state,
+                                            ctx.clock.now())
+    await ctx.notify_due([(shard_of(job.job_id), job.job_id, due, tenant_id, pool_of(job))])
+    return execution_id
+
+
 async def retry_execution(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    now = ctx.clock.now()
-    job_id, pool = await store.replay(ctx.db, owner.tenant_id, _execution_id(request), now)
-    await ctx.notify_due([(shard_of(job_id), job_id, now, owner.tenant_id, pool)])
+    await retry(ctx, owner.tenant_id, _execution_id(request))
     return web.Response(status=202)
 
 
@@ -62,10 +78,5 @@ async def trigger_job(request: web.Request) -> web.Response:
     for the resume). A canceled or completed job is 409."""
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    job = await job_store.get_job(ctx.db, owner.tenant_id, job_id_of(request))
-    now = ctx.clock.now()
-    execution_id, due = await store.trigger(ctx.db, owner.tenant_id, job.job_id, job.state,
-                                            now)
-    await ctx.notify_due([(shard_of(job.job_id), job.job_id, due, owner.tenant_id,
-                           pool_of(job))])
+    execution_id = await trigger(ctx, owner.tenant_id, job_id_of(request))
     return json_response(202, Triggered(execution_id=execution_id))

@@ -74,7 +74,8 @@ def render(problem: Problem, headers: dict[str, str] | None = None) -> web.Respo
                         content_type="application/problem+json", headers=headers)
 
 
-def _from_domain(exc: Exception) -> HttpProblem | None:
+def from_domain(exc: Exception) -> HttpProblem | None:
+    """The problem a domain error answers with; None for any other exception."""
     match exc:
         case InvalidInput():
             return invalid(exc.errors, exc.status)
@@ -119,7 +120,7 @@ async def problem_middleware(request: web.Request, handler) -> web.StreamRespons
         return render(Problem(type=PROBLEM_BASE + slug, title=exc.reason, status=exc.status,
                               detail=exc.text or exc.reason), headers)
     except Exception as exc:
-        mapped = _from_domain(exc)
+        mapped = from_domain(exc)
         if mapped is not None:
             if isinstance(exc, Rejected):
                 log.warning("request_rejected", path=request.path, error=str(exc))

