@@ -1,15 +1,20 @@
 """Housekeeping on timers: execution partitions ahead of need and expired idempotency keys
-(hourly, on Tick), and the tenants' signing secrets copied to Redis (every few seconds,
-on SyncSigning).
+(hourly, on Tick), the tenants' signing secrets copied to Redis (every few seconds, on
+SyncSigning), and retention: old days archived and dropped (on Retain).
 
 Every node runs it; each piece is safe concurrently (the partition function takes an
 advisory lock, the delete is bounded and idempotent, the signing sync writes only what
-differs from Postgres). The two cadences are two messages from two tickers, so the
-signing sync never drags the hourly work along with it.
+differs from Postgres, and a retention pass runs only on the node that gets the
+retention lease). The cadences are messages from their own tickers, so the signing sync
+never drags the hourly work along with it. A retention pass may take minutes (a day's
+archive is compressed and uploaded), so it runs in a task this actor owns, one at a
+time, and the mailbox goes on being served meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 import msgspec
@@ -20,6 +25,7 @@ from herdwick.actors.base import Actor, Tick
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
 from herdwick.storage import maintenance as store
+from herdwick.storage import retention as retention_store
 from herdwick.storage import signing
 from herdwick.storage.db import Database
 
@@ -32,17 +38,25 @@ INTERVAL_S = 3600.0
 SIGNING_SYNC_S = 5.0
 PARTITION_DAYS_AHEAD = 8
 IDEMPOTENCY_DELETE_BATCH = 10_000
+# A pass that finds nothing due is a lock and two small queries, so it can run often:
+# a node restarted more often than hourly still gets to it.
+RETENTION_INTERVAL_S = 900.0
 
 
 class SyncSigning(msgspec.Struct, frozen=True):
     """Copy every tenant's signing secrets from Postgres to Redis (every SIGNING_SYNC_S)."""
 
 
+class Retain(msgspec.Struct, frozen=True):
+    """Run a retention pass, unless one is under way (every RETENTION_INTERVAL_S)."""
+
+
 class Maintenance(Actor):
     name = "maintenance"
 
     def __init__(self, *, db: Database, clock: Clock, redis: aioredis.Redis,
-                 key_prefix: str) -> None:
+                 key_prefix: str,
+                 retention: retention_store.RetentionPolicy | None = None) -> None:
         super().__init__(clock=clock)
         self._db = db
         self._redis = redis
@@ -50,6 +64,13 @@ class Maintenance(Actor):
         # Only this actor's loop touches it: so a Redis that stays away logs one warning,
         # not one every SIGNING_SYNC_S.
         self._signing_failing = False
+        self._retention = retention
+        # The pass under way: started and cancelled by this actor's loop alone.
+        self._retaining: asyncio.Task | None = None
+        # Written by the pass's task when it ends; read by tests.
+        self.last_retention: retention_store.PassReport | None = None
+        # Test signal: awaited after each step of each day a pass retires.
+        self.retention_step: Callable[[str, retention_store.Day], Awaitable[None]] | None = None
 
     async def on_start(self) -> None:
         await self.run_once()
@@ -61,6 +82,24 @@ class Maintenance(Actor):
                 await self.run_once()
             case SyncSigning():
                 await self.sync_signing()
+            case Retain():
+                self._start_retention()
+
+    async def quiesce(self) -> None:
+        if self._retaining is not None:
+            await asyncio.wait({self._retaining})
+
+    async def on_stop(self) -> None:
+        # A pass stopped midway leaves its day detached or archived, never half dropped:
+        # the next pass, here or on another node, finishes it from its record.
+        if self._retaining is not None and not self._retaining.done():
+            self._retaining.cancel()
+            await asyncio.wait({self._retaining})
+
+    def _start_retention(self) -> None:
+        if self._retention is None or (self._retaining and not self._retaining.done()):
+            return
+        self._retaining = asyncio.create_task(self.retain_once(), name="retention")
 
     async def run_once(self) -> None:
         now = self.clock.now()
@@ -74,6 +113,21 @@ class Maintenance(Actor):
             return
         if created or expired:
             log.info("maintenance", partitions_created=created, idempotency_deleted=expired)
+
+    async def retain_once(self) -> retention_store.PassReport | None:
+        """One retention pass; None if Postgres was unavailable or the pass failed."""
+        assert self._retention is not None
+        try:
+            report = await retention_store.run_pass(
+                self._db, self._retention, self.clock.now(), on_step=self.retention_step)
+        except StorageUnavailable as exc:
+            log.warning("retention_skipped", error=str(exc))
+            return None
+        except Exception:  # in a task no one awaits at once: said here, or never
+            log.exception("retention_crashed")
+            return None
+        self.last_retention = report
+        return report
 
     async def sync_signing(self) -> signing.Synced | None:
         """One pass of the signing sync; None if Postgres or Redis was unavailable."""

@@ -28,7 +28,13 @@ from herdwick.actors.dispatcher import DispatchActor
 from herdwick.actors.executions import ExecutionEvents
 from herdwick.actors.fairqueue import FairQueue
 from herdwick.actors.maintenance import INTERVAL_S as MAINTENANCE_INTERVAL_S
-from herdwick.actors.maintenance import SIGNING_SYNC_S, Maintenance, SyncSigning
+from herdwick.actors.maintenance import (
+    RETENTION_INTERVAL_S,
+    SIGNING_SYNC_S,
+    Maintenance,
+    Retain,
+    SyncSigning,
+)
 from herdwick.actors.messages import Forget, LeaseLost, NotifyDue, Publish, Ready
 from herdwick.actors.reaper import INTERVAL_S as REAPER_INTERVAL_S
 from herdwick.actors.reaper import Reaper
@@ -44,6 +50,7 @@ from herdwick.storage import tenants as tenant_store
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier, decode_notify
 from herdwick.storage.protocol import Protocol
+from herdwick.storage.retention import RetentionPolicy
 from herdwick.storage.tenants import TenantLimits
 
 log = logs.get("herdwick.scheduler")
@@ -122,7 +129,8 @@ class Scheduler:
                                        db_now=self._db_now, released=self._released)
         await self._core.start("coordinator", lambda: self.coordinator)
         self.maintenance = Maintenance(db=self.db, clock=self.clock, redis=client,
-                                       key_prefix=self.settings.key_prefix)
+                                       key_prefix=self.settings.key_prefix,
+                                       retention=RetentionPolicy.from_settings(self.settings))
         await self._core.start("maintenance", lambda: self.maintenance)
         if self._tick:
             # By name, looked up at each tick: a crashed execution-tier actor is replaced.
@@ -137,6 +145,8 @@ class Scheduler:
                                                          self._refresh_limits_quietly)))
             self._tasks.append(asyncio.create_task(every(
                 SIGNING_SYNC_S, lambda: self.maintenance.send(SyncSigning()))))
+            self._tasks.append(asyncio.create_task(every(
+                RETENTION_INTERVAL_S, lambda: self.maintenance.send(Retain()))))
         self._notify = asyncio.create_task(self._listen_notify(client))
         log.info("scheduler_started", node=self.node_id, shards=len(self.coordinator.leases))
         return self

@@ -34,14 +34,22 @@ _SETTING_HELP = {
                  "workers' lease rate), a number, or pool=number pairs, comma-separated",
     "herd_warn_jobs": "a submit warns when this many of a tenant's jobs fall due in one "
                       "second (default 1000)",
+    "retention_days": "executions older than this many days leave, by whole days, once "
+                      "archived (default 30)",
+    "archive_url": "where they are archived: a directory, file:// or s3://bucket/prefix "
+                   "(default ./archive)",
+    "archive_s3_endpoint": "an S3-compatible server's URL for s3:// archives (default: AWS, "
+                           "or $AWS_ENDPOINT_URL)",
 }
 # The settings each command reads; a command shows only these flags.
 _SERVICE = ("database_url", "redis_url", "key_prefix")
+_ARCHIVE = ("retention_days", "archive_url", "archive_s3_endpoint")
 _USES = {
     "dev": tuple(ENV),
     "migrate": ("database_url",),
     "api": (*_SERVICE, "admin_token", "http_allow", "api_host", "api_port", "herd_warn_jobs"),
-    "scheduler": (*_SERVICE, "dispatch_order", "ready_max"),
+    "scheduler": (*_SERVICE, "dispatch_order", "ready_max", *_ARCHIVE),
+    "retention": ("database_url", *_ARCHIVE),
     "http-worker": ("redis_url", "key_prefix", "http_allow"),
     "tenant create": ("database_url",),
     "tenant update": ("database_url",),
@@ -161,6 +169,15 @@ def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
     rotate.add_argument("--overlap", type=int, default=None, metavar="SECONDS",
                         help="how long the old secret goes on signing beside the new one, "
                              "0 to 604800; default 86400 (a day), 0 stops it at once")
+    retention = command(sub, "retention", "archive, then drop, the days of executions older "
+                                          "than the retention now (each scheduler tries every "
+                                          "15 minutes)", "retention")
+    mode = retention.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true",
+                      help="print what a pass would archive and drop, and change nothing")
+    mode.add_argument("--read", metavar="DAY", default=None,
+                      help="print the archived executions of DAY (YYYY-MM-DD), one JSON object "
+                           "a line, each archive checked against its manifest")
     cron = command(sub, "cron", "print the next fire times of a cron expression: the function "
                                 "the scheduler uses")
     cron.add_argument("expr", help="five fields, or a macro such as @daily")
@@ -247,6 +264,11 @@ def _settings(args: argparse.Namespace) -> Settings:
             overrides["api_port"] = int(overrides["api_port"])
         except ValueError:
             raise ConfigError("--api-port must be a port number") from None
+    if overrides.get("retention_days") is not None:
+        try:
+            overrides["retention_days"] = int(overrides["retention_days"])
+        except ValueError:
+            raise ConfigError("--retention-days must be a whole number of days") from None
     if overrides.get("herd_warn_jobs") is not None:
         try:
             overrides["herd_warn_jobs"] = int(overrides["herd_warn_jobs"])
@@ -334,6 +356,88 @@ async def _tenant_create(settings: Settings, args: argparse.Namespace) -> int:
     print(f"tenant id:      {created.tenant_id}")
     print(f"api key:        {created.api_key}")
     print(f"signing secret: {created.signing_secret}")
+    return 0
+
+
+def cmd_retention(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if args.read is not None:
+        try:
+            day = datetime.strptime(args.read, "%Y-%m-%d").date()
+        except ValueError:
+            print(f"herdwick retention: --read {args.read!r} is not a day (YYYY-MM-DD)",
+                  file=sys.stderr)
+            return 2
+        return _run(_retention_read(settings, day))
+    settings.require_database()
+    return _run(_retention(settings, args.dry_run))
+
+
+async def _retention(settings: Settings, dry_run: bool) -> int:
+    from herdwick.clock import SystemClock
+    from herdwick.storage import retention
+    from herdwick.storage.db import Database
+
+    policy = retention.RetentionPolicy.from_settings(settings)
+    now = SystemClock().now()
+    print(f"first day kept: {retention.first_day_kept(now, policy.days)} "
+          f"({policy.days} days); archive: {policy.archive_url}")
+    db = await Database.connect(settings.database_url, max_size=2)
+    try:
+        if dry_run:
+            days = await retention.plan(db, now, policy.days)
+            report = None
+        else:
+            report = await retention.run_pass(db, policy, now)
+    finally:
+        await db.close()
+    if report is not None and not report.leased:
+        print("herdwick retention: another node holds the retention lease and is running a "
+              "pass; nothing done", file=sys.stderr)
+        return 0
+    rows = ([(d.partition, d.day, d.executions, _planned(d)) for d in days] if dry_run else
+            [(o.partition, o.day, o.executions, _result(o)) for o in report.outcomes])
+    if not rows:
+        print("nothing is older than that")
+        return 0
+    print(f"{'PARTITION':<22}{'DAY':<12}{'EXECUTIONS':>10}  {'WOULD' if dry_run else 'DONE'}")
+    for partition, day, executions, what in rows:
+        print(f"{partition:<22}{day!s:<12}{executions:>10}  {what}")
+    return 1 if report is not None and any(o.result == "failed" for o in report.outcomes) else 0
+
+
+def _planned(day: Any) -> str:
+    if day.unfinished:
+        return f"keep: {day.unfinished} unfinished"
+    if day.source == "default":
+        return f"move to executions_{day.digits}, archive as {day.name}, drop"
+    if day.source == "detached":
+        return f"finish: archive as {day.name} (detached already), drop"
+    return f"archive as {day.name}, drop"
+
+
+def _result(outcome: Any) -> str:
+    if outcome.result == "dropped":
+        return f"dropped; {outcome.attempts} attempts; archive {outcome.url}"
+    return f"{outcome.result}: {outcome.reason}"
+
+
+async def _retention_read(settings: Settings, day: Any) -> int:
+    from herdwick.storage.archive import open_target
+    from herdwick.storage.retention import read_day
+
+    target = open_target(settings.archive_url, s3_endpoint=settings.archive_s3_endpoint)
+    found = 0
+    try:
+        async for line in read_day(target, day):
+            sys.stdout.buffer.write(line + b"\n")
+            found += 1
+    finally:
+        await target.close()
+    sys.stdout.flush()
+    if not found:
+        print(f"herdwick retention: no archived execution of {day} in {settings.archive_url}",
+              file=sys.stderr)
     return 0
 
 
@@ -595,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "cron": cmd_cron,
+        "retention": cmd_retention,
         "migrate": _production(_migrate, database_only=True),
         "api": _production(_api),
         "scheduler": _production(_scheduler),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import Annotated
 
@@ -20,6 +21,11 @@ DEFAULT_READY_MAX = "auto"
 MIN_READY_MAX = 1
 MAX_READY_MAX = 100_000_000
 DEFAULT_HERD_WARN_JOBS = 1000
+DEFAULT_RETENTION_DAYS = 30
+MAX_RETENTION_DAYS = 36_500
+# Relative to the scheduler's working directory: fine for one node; with several, each
+# archives where it runs, so production sets a shared directory or an s3:// bucket.
+DEFAULT_ARCHIVE_URL = "./archive"
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 Port = Annotated[int, Meta(ge=0, le=65535)]
@@ -42,6 +48,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     dispatch_order: str = DEFAULT_DISPATCH_ORDER
     ready_max: str = DEFAULT_READY_MAX
     herd_warn_jobs: int = DEFAULT_HERD_WARN_JOBS  # a tenant's jobs due in one second that warn
+    retention_days: int = DEFAULT_RETENTION_DAYS  # executions older than this leave by whole days
+    archive_url: str = DEFAULT_ARCHIVE_URL  # where they are archived first: a directory or s3://
+    archive_s3_endpoint: str | None = None  # an S3-compatible server; None: AWS or AWS_ENDPOINT_URL
 
     def __post_init__(self) -> None:
         if self.herd_warn_jobs < 1:
@@ -62,6 +71,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
                 raise ConfigError(f"HERDWICK_HTTP_ALLOW: {cidr!r} is not a CIDR") from None
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ConfigError("HERDWICK_ADMIN_TOKEN must be at least 16 characters")
+        if not 1 <= self.retention_days <= MAX_RETENTION_DAYS:
+            raise ConfigError(f"HERDWICK_RETENTION_DAYS must be 1 to {MAX_RETENTION_DAYS}, "
+                              f"not {self.retention_days}")
+        _check_archive_url(self.archive_url)
+        if self.archive_s3_endpoint is not None and urllib.parse.urlsplit(
+                self.archive_s3_endpoint).scheme not in ("http", "https"):
+            raise ConfigError("HERDWICK_ARCHIVE_S3_ENDPOINT must be an http:// or https:// URL")
 
     def require_database(self) -> None:
         if not self.database_url:
@@ -114,7 +130,24 @@ ENV = {
     "dispatch_order": "HERDWICK_DISPATCH_ORDER",
     "ready_max": "HERDWICK_READY_MAX",
     "herd_warn_jobs": "HERDWICK_HERD_WARN_JOBS",
+    "retention_days": "HERDWICK_RETENTION_DAYS",
+    "archive_url": "HERDWICK_ARCHIVE_URL",
+    "archive_s3_endpoint": "HERDWICK_ARCHIVE_S3_ENDPOINT",
 }
+
+
+def _check_archive_url(url: str) -> None:
+    """A directory path, a file:// URL or s3://bucket[/prefix]: what storage/archive.py opens."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "s3":
+        if not parts.netloc:
+            raise ConfigError(f"HERDWICK_ARCHIVE_URL: {url!r} names no bucket (s3://bucket/prefix)")
+    elif parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path:
+            raise ConfigError(f"HERDWICK_ARCHIVE_URL: {url!r} is not a local file:// path")
+    elif len(parts.scheme) > 1 or not url:  # one letter: a Windows drive, a path
+        raise ConfigError(f"HERDWICK_ARCHIVE_URL: {url!r} is not a directory, file:// or "
+                          "s3:// URL")
 
 
 def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
@@ -148,4 +181,9 @@ def _parse(field: str, var: str, value: str) -> object:
             return int(value)
         except ValueError:
             raise ConfigError(f"{var} must be a whole number of jobs, got {value!r}") from None
+    if field == "retention_days":
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{var} must be a whole number of days, got {value!r}") from None
     return value

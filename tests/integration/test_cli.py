@@ -49,13 +49,16 @@ FLAGS = {
     ("tenant", "update"): {"--database-url"},
     ("tenant", "rotate-secret"): {"--database-url", "--redis-url", "--key-prefix"},
     ("scheduler",): {"--database-url", "--redis-url", "--key-prefix", "--dispatch-order",
-                     "--ready-max"},
+                     "--ready-max", "--retention-days", "--archive-url", "--archive-s3-endpoint"},
+    ("retention",): {"--database-url", "--retention-days", "--archive-url",
+                     "--archive-s3-endpoint"},
     ("worker",): {"--redis-url", "--key-prefix"},
     ("api",): {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
                "--api-host", "--api-port", "--herd-warn-jobs"},
 }
 SETTINGS = {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
-            "--api-host", "--api-port", "--dispatch-order", "--ready-max", "--herd-warn-jobs"}
+            "--api-host", "--api-port", "--dispatch-order", "--ready-max", "--herd-warn-jobs",
+            "--retention-days", "--archive-url", "--archive-s3-endpoint"}
 
 
 @pytest.mark.parametrize("command", list(FLAGS), ids=" ".join)
