@@ -39,6 +39,7 @@ FORMAT = "herdwick-executions-jsonl/1"
 # zlib's output for one input and level is fixed: the level is part of the format.
 GZIP_LEVEL = 6
 S3_CONTENT_TYPE = {DATA_SUFFIX: "application/gzip", MANIFEST_SUFFIX: "application/json"}
+PROBE = ".herdwick-write-check"  # what a target's check writes
 
 
 class ArchiveUnavailable(HerdwickError):
@@ -188,7 +189,7 @@ class DirectoryTarget:
 
     def _check(self) -> None:
         # Root ignores permission bits, so the only proof of a writable directory is a write.
-        probe = self.root / f".probe-{uuid.uuid4().hex}"
+        probe = self.root / f"{PROBE}-{uuid.uuid4().hex}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             probe.write_bytes(b"")
@@ -200,13 +201,8 @@ class DirectoryTarget:
         return await asyncio.to_thread(self._put, key, path)
 
     def _put(self, key: str, path: Path) -> str:
-        final = self.root / key
+        final = self.root / key  # `path` is in the root: staging() says so
         try:
-            if path.parent.resolve() != self.root.resolve():  # built elsewhere: copy in
-                staged = self.root / f".{key}.{uuid.uuid4().hex}.tmp"
-                staged.write_bytes(path.read_bytes())
-                path.unlink()
-                path = staged
             with path.open("rb") as f:
                 os.fsync(f.fileno())
             path.replace(final)
@@ -276,8 +272,11 @@ class S3Target:
             raise ArchiveUnavailable(f"{self.url}: {what}: {exc}") from exc
 
     async def check(self) -> None:
-        async with self._translated("head bucket"):
-            await (await self._s3()).head_bucket(Bucket=self.bucket)
+        # A bucket may be readable and still refuse these credentials a PUT: only a write
+        # proves it. The probe's key is always the same, so probes leave one small object.
+        async with self._translated("write check"):
+            await (await self._s3()).put_object(Bucket=self.bucket, Key=self.prefix + PROBE,
+                                                Body=b"")
 
     async def put(self, key: str, path: Path) -> str:
         suffix = next((s for s in S3_CONTENT_TYPE if key.endswith(s)), "")

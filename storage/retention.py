@@ -163,7 +163,10 @@ async def _plan(conn: asyncpg.Connection, horizon: date) -> list[Day]:
     found: list[Day] = []
     for row in pending:
         digits = row["day"].strftime("%Y%m%d")
-        counts = await conn.fetchrow(_for_day("retention_day_rows", digits))
+        try:
+            counts = await conn.fetchrow(_for_day("retention_day_rows", digits))
+        except asyncpg.UndefinedTableError:  # dropped by hand: its export will say so
+            counts = {"executions": 0, "unfinished": 0}
         found.append(Day(day=row["day"], source="detached", executions=counts["executions"],
                          unfinished=counts["unfinished"], name=row["name"]))
     for rows, source in ((attached, "partition"), (default, "default")):
@@ -221,11 +224,7 @@ async def run_pass(db: Database, policy: RetentionPolicy, now: datetime, *,
 
 async def _pass(conn: asyncpg.Connection, target: Target, horizon: date, now: datetime,
                 lock_timeout_ms: int, on_step: Step | None) -> list[Outcome]:
-    for row in await conn.fetch(q("retention_default_days"), horizon):
-        if not row["unfinished"]:
-            # Only days whose rows are all finished: the move is a DELETE and INSERT, and
-            # an update racing it would miss a row that is still changing.
-            await conn.fetchval(q("ensure_execution_partitions"), row["day"], 1)
+    await _adopt_default_days(conn, horizon)
     days = await _plan(conn, horizon)
     if not days:
         return []
@@ -251,6 +250,20 @@ async def _pass(conn: asyncpg.Connection, target: Target, horizon: date, now: da
              kept=sum(o.result == "kept" for o in outcomes),
              failed=sum(o.result == "failed" for o in outcomes))
     return outcomes
+
+
+async def _adopt_default_days(conn: asyncpg.Connection, horizon: date) -> None:
+    """Give each old day the default partition caught a partition of its own (the partition
+    function moves its rows there), so that it leaves like any other day."""
+    for row in await conn.fetch(q("retention_default_days"), horizon):
+        if row["unfinished"]:
+            # Only days whose rows are all finished: the move is a DELETE and an INSERT,
+            # and an update racing it would miss a row that is still changing.
+            continue
+        try:
+            await conn.fetchval(q("ensure_execution_partitions"), row["day"], 1)
+        except asyncpg.PostgresError as exc:  # it stays in the default partition: reported
+            log.warning("retention_default_day_failed", day=row["day"], error=str(exc))
 
 
 async def _retire(conn: asyncpg.Connection, target: Target, day: Day, now: datetime,

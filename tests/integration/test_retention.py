@@ -371,7 +371,8 @@ async def test_an_s3_bucket_that_is_not_there_drops_nothing(db, s3_server, aws_e
     report = await retention.run_pass(db, policy("s3://no-such-bucket/x", endpoint=s3_server),
                                       T0)
     assert [o.result for o in report.outcomes] == ["failed"]
-    assert "head bucket" in report.outcomes[0].reason
+    reason = report.outcomes[0].reason
+    assert "write check" in reason and "NoSuchBucket" in reason
     assert FIRST_DAY in await attached_days(db)
 
 
