@@ -20,6 +20,8 @@ from herdwick.gateway.openapi import DOCUMENT, document, openapi
 from herdwick.gateway.problems import problem_middleware
 from herdwick.gateway.routes import register
 from herdwick.gateway.target_dns import TargetDns
+from herdwick.gateway.ui import create_ui
+from herdwick.gateway.ui_session import UI_PATH
 from herdwick.storage import migrate
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
@@ -65,6 +67,8 @@ def create_app(settings: Settings, *, clock: Clock | None = None, db: Database |
     register(app)
     app[DOCUMENT] = document()
     app.router.add_get("/openapi.json", openapi)
+    # The dashboard: HTML pages, not part of ROUTES or the OpenAPI document.
+    app.add_subapp(UI_PATH, create_ui())
     return app
 
 

@@ -230,17 +230,37 @@ def _cancel(job: Job, schedule: Schedule) -> Transition | None:
                       cancel_executions=True)
 
 
-async def _transition(request: web.Request, decide) -> Job:
-    ctx = Ctx.of(request)
-    owner = await tenant_of(request, ctx.db, ctx.keys)
-    done = await store.transition_job(ctx.db, owner.tenant_id, job_id_of(request),
-                                      ctx.clock.now(), decide)
+async def _transition(ctx: Ctx, tenant_id: uuid.UUID, job_id: uuid.UUID, decide) -> Job:
+    done = await store.transition_job(ctx.db, tenant_id, job_id, ctx.clock.now(), decide)
     if done.canceled:
         await ctx.cancel_running(pool_of(done.job), done.canceled)
     if done.due:
-        await ctx.notify_due([(shard, job_id, when, owner.tenant_id, pool_of(done.job))
+        await ctx.notify_due([(shard, job_id, when, tenant_id, pool_of(done.job))
                               for shard, job_id, when in done.due])
     return done.job
+
+
+# The transitions themselves, with what they tell the hot tier after the commit: the
+# /v1 handlers below and the dashboard's buttons (gateway/ui.py) both call these.
+
+
+async def pause(ctx: Ctx, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
+    return await _transition(ctx, tenant_id, job_id, _pause)
+
+
+async def resume(ctx: Ctx, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
+    return await _transition(ctx, tenant_id, job_id, _resumer(ctx.clock.now()))
+
+
+async def cancel(ctx: Ctx, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
+    """Its unfinished executions are canceled and their workers told (LEASE_LOST)."""
+    return await _transition(ctx, tenant_id, job_id, _cancel)
+
+
+async def _transition_request(request: web.Request, change) -> Job:
+    ctx = Ctx.of(request)
+    owner = await tenant_of(request, ctx.db, ctx.keys)
+    return await change(ctx, owner.tenant_id, job_id_of(request))
 
 
 def pool_of(job: Job) -> str:
@@ -251,18 +271,17 @@ async def pause_job(request: web.Request) -> web.Response:
     """No new attempt starts while the job is paused: neither its occurrences nor the
     retries of its executions (those stay in retry_wait). A running attempt finishes.
     Pausing a paused job changes nothing; a canceled or completed job is 409."""
-    return json_response(200, await _transition(request, _pause))
+    return json_response(200, await _transition_request(request, pause))
 
 
 async def resume_job(request: web.Request) -> web.Response:
     """The next occurrence follows the misfire policy if its time passed while paused;
     a retry held back by the pause runs at its retry time, or at once if that passed."""
-    ctx = Ctx.of(request)
-    return json_response(200, await _transition(request, _resumer(ctx.clock.now())))
+    return json_response(200, await _transition_request(request, resume))
 
 
 async def cancel_job(request: web.Request) -> web.Response:
     """Nothing of the job runs again: its queued, running and retry_wait executions are
     canceled (a running attempt's worker gets LEASE_LOST)."""
-    await _transition(request, _cancel)
+    await _transition_request(request, cancel)
     return web.Response(status=204)
