@@ -10,14 +10,16 @@ moves state only forward, so the replay changes nothing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import uuid
 from datetime import UTC, datetime
 from typing import NamedTuple
 
 import msgspec
 
-from herdwick import logs
+from herdwick import logs, telemetry
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor, Tick
 from herdwick.clock import Clock
@@ -310,7 +312,9 @@ class ExecutionEvents(Actor):
         if stale:
             for tenant_id, call in await store.record_stale_calls(self._db, stale):
                 self.stale_recorded += 1
+                telemetry.POSSIBLE_DUPLICATES.labels(telemetry.tenant_label(tenant_id), call).inc()
                 log.warning("stale_call", tenant_id=tenant_id, call=call)
+        export(events)
         for pool in {p for p, _ in events}:
             mine = [e for p, e in events if p == pool]
             await self._protocol.ack_events(pool, GROUP, [e.stream_id for e in mine],
@@ -354,6 +358,46 @@ class ExecutionEvents(Actor):
                               next_after(folded.clock_now))
         except Rejected as again:  # nothing of it can be stored: say so and go on
             log.error("event_dropped", execution_id=execution_id, error=str(again))
+
+
+def export(events: list[tuple[str, Event]]) -> None:
+    """A committed batch into the Prometheus counters, one increment per distinct label set
+    (a replayed batch counts again: at-least-once, like the events)."""
+    counts: collections.Counter = collections.Counter()
+    lags: dict[tuple[str, str], list[float]] = {}
+    for pool, e in events:
+        kind = e.type
+        if kind == "stale":
+            continue
+        key = (e.tenant_id, pool)
+        if kind == "leased":
+            if e.attempt == 1 and e.scheduled_for:
+                lags.setdefault(key, []).append(e.at_ms / 1000 - _epoch_s(e.scheduled_for))
+            continue
+        outcome = "deferred" if e.deferred else _OUTCOME_OF.get(kind, kind)
+        counts[(telemetry.ATTEMPTS, key, outcome)] += 1
+        if kind == "completed":
+            counts[(telemetry.EXECUTIONS, key, "succeeded")] += 1
+        elif kind == "canceled":
+            counts[(telemetry.EXECUTIONS, key, "canceled")] += 1
+        elif e.outcome == "dead":
+            counts[(telemetry.EXECUTIONS, key, "dead")] += 1
+            counts[(telemetry.DEAD_LETTERS, key, None)] += 1
+        elif not e.deferred:
+            counts[(telemetry.RETRIES, key, None)] += 1
+    for (metric, (tenant, pool), outcome), n in counts.items():
+        labels = (telemetry.tenant_label(tenant), telemetry.pool_label(pool))
+        metric.labels(*labels, *(() if outcome is None else (outcome,))).inc(n)
+    for (tenant, pool), values in lags.items():
+        child = telemetry.DISPATCH_LAG.labels("leased", telemetry.tenant_label(tenant),
+                                              telemetry.pool_label(pool))
+        for value in values:
+            child.observe(max(value, 0.0))
+
+
+@functools.lru_cache(maxsize=1024)  # a herd's events share a few scheduled_for values
+def _epoch_s(scheduled_for: str) -> float:
+    return datetime.fromisoformat(scheduled_for).timestamp()
 
 
 def _lanes(events: list[tuple[str, Event]]) -> list[list[Event]]:

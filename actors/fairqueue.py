@@ -32,7 +32,7 @@ import itertools
 import time
 from collections.abc import Callable, Mapping
 
-from herdwick import logs
+from herdwick import logs, telemetry
 from herdwick.actors.base import Actor, Tick
 from herdwick.actors.fairness import DrrPolicy, FifoPolicy
 from herdwick.actors.messages import Due, Forget, Handed, Publish, Ready, item_key, item_shard
@@ -80,6 +80,10 @@ class FairQueue(Actor):
         self.published = 0
         self.granted = 0  # stream slots hw_admit granted this queue: read by tests
         self.cap_seen = 0  # the bound at the last hw_admit
+        self._pool_label = telemetry.pool_label(pool)
+
+    def gauges(self):
+        yield "herdwick_fair_queue_depth", {"pool": self._pool_label}, self._policy.backlog
 
     @property
     def backlog(self) -> int:
@@ -224,11 +228,20 @@ class FairQueue(Actor):
                     return
                 await asyncio.sleep(delay)
         now_us = to_us(self.clock.now())
+        exported: dict[str, object] = {}  # tenant -> its Prometheus child, for this batch
         for execution, scheduled_us in zip(publish.items, publish.scheduled_us, strict=True):
+            lag_s = (now_us - scheduled_us) / 1e6
             hist = self.lag.get(execution.tenant_id)
             if hist is None:
                 hist = self.lag[execution.tenant_id] = Histogram()
-            hist.observe((now_us - scheduled_us) / 1e6)
+            hist.observe(lag_s)
+            if execution.attempt == 1:  # a retry's lag is its backoff, not dispatch's
+                child = exported.get(execution.tenant_id)
+                if child is None:
+                    child = exported[execution.tenant_id] = telemetry.DISPATCH_LAG.labels(
+                        "published", telemetry.tenant_label(execution.tenant_id),
+                        self._pool_label)
+                child.observe(lag_s)
         self.published += len(publish.items)
 
     def _settle(self, works: list[int]) -> None:

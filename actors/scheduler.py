@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 
 import redis.asyncio as aioredis
 
-from herdwick import logs
+from herdwick import logs, telemetry
 from herdwick.actors.base import Supervisor, Tick, every, sync
 from herdwick.actors.coordinator import RENEW_INTERVAL_S, Coordinator
 from herdwick.actors.dispatcher import DispatchActor
@@ -57,6 +57,7 @@ log = logs.get("herdwick.scheduler")
 
 DISPATCH_ACTORS = 2
 POOLS_REFRESH_S = 1.0  # a new pool's events are read within this
+GAUGES_S = 5.0  # the ready streams' depths are sampled this often, for the gauges
 DB_POOL_MAX = 16
 LIMITS_REFRESH_S = 2.0  # a tenant's new weight or quota reaches every node within this
 LIMITS_LOOKBACK = timedelta(seconds=5)  # reread so a change that committed late is not missed
@@ -102,6 +103,7 @@ class Scheduler:
         self._tasks: list[asyncio.Task] = []  # the tickers
         self._notify: asyncio.Task | None = None
         self._stopping = asyncio.Event()  # ends the notify listener between two reads
+        self._ready_stats: dict[str, tuple[int, int]] = {}  # pool -> (depth, pending): gauges
 
     async def start(self) -> Scheduler:
         self.db = self._given_db or await Database.connect(self.settings.database_url,
@@ -147,7 +149,9 @@ class Scheduler:
                 SIGNING_SYNC_S, lambda: self.maintenance.send(SyncSigning()))))
             self._tasks.append(asyncio.create_task(every(
                 RETENTION_INTERVAL_S, lambda: self.maintenance.send(Retain()))))
+            self._tasks.append(asyncio.create_task(every(GAUGES_S, self.sample_streams)))
         self._notify = asyncio.create_task(self._listen_notify(client))
+        telemetry.watch(self)
         log.info("scheduler_started", node=self.node_id, shards=len(self.coordinator.leases))
         return self
 
@@ -175,6 +179,28 @@ class Scheduler:
         self.sweeper = Sweeper(db=self.db, hot=self.hot, clock=self.clock,
                                publish=self._publish, db_now=self._db_now)
         return self.sweeper
+
+    async def sample_streams(self) -> None:
+        """The ready streams' depths, for the gauges (read by scrapes, between samples)."""
+        try:
+            self._ready_stats = await self.hot.ready_stats(await self.hot.pools())
+        except StorageUnavailable:
+            self._ready_stats = {}  # unknown, not stale: the gauges go absent
+
+    def gauges(self):
+        """telemetry.GaugeSource: what this node owns, read at scrape time."""
+        shards = self.shard_ids
+        yield "herdwick_shards_owned", {}, len(shards)
+        for shard_id in shards:
+            actor = self.shard(shard_id)
+            if actor is not None:
+                yield "herdwick_shard_heap_entries", {"shard": str(shard_id)}, len(actor.heap)
+        for queue in list(self._pools.values()):
+            yield from queue.gauges()
+        for pool, (depth, pending) in self._ready_stats.items():
+            labels = {"pool": telemetry.pool_label(pool)}
+            yield "herdwick_ready_depth", labels, depth
+            yield "herdwick_ready_pending", labels, pending
 
     def _make_shard(self, shard_id: int, revision: int) -> ShardActor:
         dispatcher = self.dispatchers[shard_id % len(self.dispatchers)]
@@ -329,6 +355,7 @@ class Scheduler:
         has yet to make return at once, and the one in hand ends within
         STOP_TIMEOUT_S, inside the coordinator's longer deadline.
         """
+        telemetry.unwatch(self)
         for task in self._tasks:  # tickers first: no Tick, so no new claim
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import time
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from herdwick import logs, ssrf
+from herdwick import logs, ssrf, telemetry
 from herdwick.clock import Clock, SystemClock
 from herdwick.config import Settings
 from herdwick.errors import HerdwickError
+from herdwick.gateway.auth import require_admin
 from herdwick.gateway.context import CTX, Ctx
 from herdwick.gateway.jobs import BATCH_BODY_CAP
 from herdwick.gateway.notify import canceller, notifier
@@ -37,7 +39,8 @@ def create_app(settings: Settings, *, clock: Clock | None = None, db: Database |
                resolve: ssrf.Resolve | None = None) -> web.Application:
     """The tenants' HTTP API. Pass db/redis to share ones the caller owns (tests, dev);
     resolve answers the submit-time lookups of http targets' names (default getaddrinfo)."""
-    app = web.Application(middlewares=[problem_middleware], client_max_size=BATCH_BODY_CAP)
+    app = web.Application(middlewares=[timing_middleware, problem_middleware],
+                          client_max_size=BATCH_BODY_CAP)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         database = db or await Database.connect(settings.database_url, max_size=DB_POOL_MAX)
@@ -67,9 +70,40 @@ def create_app(settings: Settings, *, clock: Clock | None = None, db: Database |
     register(app)
     app[DOCUMENT] = document()
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/metrics", metrics)
     # The dashboard: HTML pages, not part of ROUTES or the OpenAPI document.
     app.add_subapp(UI_PATH, create_ui())
     return app
+
+
+async def metrics(request: web.Request) -> web.StreamResponse:
+    """Prometheus metrics of this process, to the admin token: they name every tenant.
+    (Every process, this one too, also serves them unauthenticated on --metrics-port.)"""
+    require_admin(request, request.app[CTX].settings.admin_token)
+    return await telemetry.metrics(request)
+
+
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+@web.middleware
+async def timing_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """herdwick_api_request_seconds by route template (bounded: never the raw path)."""
+    start = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        method = request.method if request.method in _METHODS else "other"
+        telemetry.API_REQUESTS.labels(route, method, str(status)).observe(
+            time.perf_counter() - start)
 
 
 class PortInUse(HerdwickError):

@@ -10,6 +10,7 @@ import msgspec
 from aiohttp import web
 
 from herdwick import schedule as sched
+from herdwick import telemetry
 from herdwick.errors import Conflict, IdempotencyKeyReused, InvalidInput
 from herdwick.gateway import params
 from herdwick.gateway.auth import tenant_of
@@ -149,6 +150,7 @@ async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: 
             response = plain
             if outcome.herd_total >= limit:
                 response = created([herd_warning(outcome.herd_second, limit)])
+            telemetry.SUBMITTED.labels(telemetry.tenant_label(str(owner.tenant_id))).inc(len(jobs))
             await ctx.after_submit(owner.tenant_id, jobs)
             return json_response(201, response)
         record = await store.get_idempotency(ctx.db, owner.tenant_id, key)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -68,6 +69,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -116,8 +124,8 @@ def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
     api.add_argument("--reuse-port", action="store_true",
                      help="share the port with other herdwick api processes on this host "
                           "(SO_REUSEPORT); off by default, so a busy port is an error")
-    command(sub, "scheduler", "shard coordinator, shard actors, dispatch, pool queues, "
-                              "execution events, reaper and sweeper", "scheduler")
+    sched = command(sub, "scheduler", "shard coordinator, shard actors, dispatch, pool queues, "
+                                      "execution events, reaper and sweeper", "scheduler")
     http = command(sub, "http-worker", "the built-in http pool: delivers http jobs as signed "
                                        "POSTs until SIGINT/SIGTERM", "http-worker")
     http.add_argument("--concurrency", type=_positive_int, default=512,
@@ -137,6 +145,12 @@ def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
     worker.add_argument("target", metavar="MODULE:ATTR",
                         help="where the Worker is, e.g. app:worker (imported from the "
                              "current directory)")
+    for served in (api, sched, http, worker):
+        served.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+                            help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                                 "(unauthenticated; off by default)")
+        served.add_argument("--metrics-host", default="0.0.0.0", metavar="HOST",
+                            help="the address --metrics-port listens on (default 0.0.0.0)")
     tenant = sub.add_parser("tenant", help="manage tenants", description="manage tenants")
     tenant_sub = tenant.add_subparsers(dest="tenant_command", required=True, metavar="ACTION")
     create = command(tenant_sub, "create", "create a tenant; prints its id, API key and "
@@ -555,9 +569,29 @@ async def _api(settings: Settings, args: argparse.Namespace) -> int:
 
     stop = asyncio.Event()
     _stop_on_signals(stop)
-    await serve(create_app(settings), settings.api_host, settings.api_port, stop,
-                reuse_port=args.reuse_port)
+    async with _metrics_server(args):
+        await serve(create_app(settings), settings.api_host, settings.api_port, stop,
+                    reuse_port=args.reuse_port)
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _metrics_server(args: argparse.Namespace):
+    """--metrics-port's /metrics for as long as the command runs."""
+    if args.metrics_port is None:
+        yield
+        return
+    from herdwick import telemetry
+
+    try:
+        runner = await telemetry.serve(args.metrics_port, args.metrics_host)
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                          f"{args.metrics_host}: {exc.strerror or exc}") from None
+    try:
+        yield
+    finally:
+        await runner.cleanup()
 
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
@@ -578,16 +612,17 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         return 130
 
 
-async def _scheduler(settings: Settings) -> int:
+async def _scheduler(settings: Settings, args: argparse.Namespace) -> int:
     from herdwick.actors.scheduler import Scheduler
 
     stop = asyncio.Event()
     _stop_on_signals(stop)
-    node = await Scheduler(settings).start()
-    try:
-        await stop.wait()
-    finally:
-        await node.stop()
+    async with _metrics_server(args):
+        node = await Scheduler(settings).start()
+        try:
+            await stop.wait()
+        finally:
+            await node.stop()
     return 0
 
 
@@ -605,9 +640,10 @@ async def _http_worker(settings: Settings, args: argparse.Namespace) -> int:
     breaker = BreakerPolicy(failures=args.breaker_failures, window_s=args.breaker_window,
                             cooldown_s=args.breaker_cooldown,
                             max_cooldown_s=max(300.0, args.breaker_cooldown))
-    await HttpWorker(settings.redis_url, key_prefix=settings.key_prefix,
-                     allow=settings.http_allow_networks, concurrency=args.concurrency,
-                     target_concurrency=args.target_concurrency, breaker=breaker).run(stop)
+    async with _metrics_server(args):
+        await HttpWorker(settings.redis_url, key_prefix=settings.key_prefix,
+                         allow=settings.http_allow_networks, concurrency=args.concurrency,
+                         target_concurrency=args.target_concurrency, breaker=breaker).run(stop)
     return 0
 
 
@@ -648,13 +684,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if worker.redis_url is None:
         raise ConfigError("HERDWICK_REDIS_URL is not set, and the Worker names no Redis URL "
                           "(`herdwick dev` prints the one to use)")
-    return _run(_worker(worker))
+    return _run(_worker(worker, args))
 
 
-async def _worker(worker: Any) -> int:
+async def _worker(worker: Any, args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     _stop_on_signals(stop)
-    await worker.run(stop)
+    async with _metrics_server(args):
+        await worker.run(stop)
     return 0
 
 

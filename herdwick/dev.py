@@ -300,6 +300,7 @@ def _banner(settings: Settings, creds: Credentials, base: Path) -> str:
         f"herdwick dev is running (pid {os.getpid()}, data in {base})",
         f"  API:          {url}   (OpenAPI: {url}/openapi.json)",
         f"  dashboard:    {url}/ui/   (log in with the API key below, or the admin token)",
+        f"  metrics:      {url}/metrics   (Prometheus; send the admin token)",
         f"  admin token:  {settings.admin_token}   ({token_note})",
         f"  dev tenant:   {creds.tenant_id}",
         f"  API key:      {creds.api_key}   ({key_note})",

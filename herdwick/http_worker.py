@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 import yarl
 from redis.exceptions import RedisError
 
-from herdwick import logs, ssrf
+from herdwick import logs, ssrf, telemetry
 from herdwick.signing import SigningKeys, signature_header
 from herdwick.storage import keys
 from herdwick.worker import Context, Defer, Permanent, RetryAfter, Worker, _Pipeline
@@ -168,12 +168,17 @@ def _excerpt(body: bytes) -> str:
 _RETRY_CLASS = {408: "request_timeout", 429: "rate_limited"}
 
 
+_STATES = ("closed", "half_open", "open")  # herdwick_http_breaker_state's values: 0, 1, 2
+
+
 class _Target:
     """What this process knows of one origin: its breaker as last seen, its slots."""
 
-    __slots__ = ("closed_until", "in_flight", "latency_s", "slots", "successes", "waiting")
+    __slots__ = ("breaker", "closed_until", "in_flight", "latency_s", "slots", "successes",
+                 "waiting")
 
     def __init__(self, cap: int) -> None:
+        self.breaker = "closed"  # as last seen: closed | half_open | open (for the gauges)
         self.closed_until = 0.0  # monotonic: believe the breaker closed until then
         self.in_flight = 0
         self.waiting = 0
@@ -202,12 +207,13 @@ class Delivery:
         self._resolver = resolver
         self._targets: dict[str, _Target] = {}
         self._urls: dict[str, tuple[yarl.URL, str] | TargetRefused] = {}
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._secrets: dict[str, tuple[float, SigningKeys | None]] = {}
         self._user_agent = f"herdwick/{_version()}"
         self._session: aiohttp.ClientSession | None = None
         self._pipeline: _Pipeline | None = None
         self._tasks: list[asyncio.Task] = []
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        self._delivered: dict[str, object] = {}  # outcome class -> its counter child
 
     async def __aenter__(self) -> Delivery:
         self._guard = ssrf.GuardedResolver(self._allow, base=self._resolver)
@@ -217,11 +223,13 @@ class Delivery:
             connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
             auto_decompress=False, skip_auto_headers=("Accept-Encoding",))
         self._pipeline = _Pipeline(self._client)
+        telemetry.watch(self)
         self._tasks = [asyncio.create_task(self._pipeline.run()),
                        asyncio.create_task(self._report_successes())]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        telemetry.unwatch(self)
         await self._flush_successes()
         for task in self._tasks:
             task.cancel()
@@ -233,6 +241,32 @@ class Delivery:
     # --- the handler ---------------------------------------------------------------------
 
     async def __call__(self, ctx: Context) -> dict[str, Any]:
+        """One delivery, counted by how it ended (herdwick_http_deliveries_total)."""
+        try:
+            result = await self._deliver(ctx)
+        except Exception as exc:
+            self._count(getattr(exc, "error_details", {}).get("class", "error"))
+            raise
+        self._count("success")
+        return result
+
+    def _count(self, outcome: str) -> None:
+        child = self._delivered.get(outcome)
+        if child is None:
+            child = self._delivered[outcome] = telemetry.HTTP_DELIVERIES.labels(outcome)
+        child.inc()
+
+    def gauges(self):
+        """telemetry.GaugeSource: the breakers of the targets this process has sent to."""
+        states = dict.fromkeys(_STATES, 0)
+        for origin, target in list(self._targets.items()):
+            states[target.breaker] += 1
+            yield ("herdwick_http_breaker_state", {"target": telemetry.target_label(origin)},
+                   _STATES.index(target.breaker))
+        for state, count in states.items():
+            yield "herdwick_http_breakers", {"state": state}, count
+
+    async def _deliver(self, ctx: Context) -> dict[str, Any]:
         if not ctx.target:
             raise TargetMissing()
         url, origin = self._checked_url(ctx.target)
@@ -305,10 +339,13 @@ class Delivery:
         wait_ms = int(wait_ms)
         if wait_ms == 0:
             target.closed_until = now + CLOSED_TRUST_S
+            target.breaker = "closed"
             return False
         if wait_ms < 0:
+            target.breaker = "half_open"
             log.info("breaker_probe", target=origin)
             return True
+        target.breaker = "open"
         wait_s = wait_ms / 1000
         # Spread the deferred ones over the cool-down, so they don't come back as one herd.
         raise CircuitOpen(wait_s + random.uniform(0, max(1.0, wait_s)), origin,
@@ -411,6 +448,7 @@ class Delivery:
 
     def _succeeded(self, origin: str, target: _Target, probe: bool) -> None:
         if probe:
+            target.breaker = "closed"
             self._report(origin, 1, 0, True)
         else:
             target.successes += 1
@@ -429,6 +467,7 @@ class Delivery:
             target = self._targets.get(origin)
             if target is not None:
                 target.closed_until = 0.0
+                target.breaker = "open"
             log.info("breaker_open", target=origin)
 
     async def _report_successes(self) -> None:

@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import socket
+import time
 import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable
@@ -39,7 +40,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from herdwick import logs
+from herdwick import logs, telemetry
 from herdwick.config import DEFAULT_KEY_PREFIX
 from herdwick.model import POOL_PATTERN, valid_pool
 from herdwick.storage import keys
@@ -193,7 +194,8 @@ class _Pipeline:
         for args, _ in batch:
             pipe.execute_command(*args)
         try:
-            replies = await pipe.execute(raise_on_error=False)
+            with telemetry.timed_redis("worker_pipeline"):
+                replies = await pipe.execute(raise_on_error=False)
         except RedisError as exc:
             replies = [exc] * len(batch)
         except BaseException:  # cancelled at shutdown: nobody is left to answer them
@@ -229,17 +231,34 @@ def _retrieve(future: asyncio.Future) -> None:
         log.warning("redis_call_failed", error=exc)
 
 
+class _Metrics:
+    """This worker's Prometheus children, looked up once (an attempt costs two updates)."""
+
+    def __init__(self, pool: str) -> None:
+        label = telemetry.pool_label(pool)
+        self.handler = telemetry.WORKER_HANDLER.labels(label)
+        self._attempts = {outcome: telemetry.WORKER_ATTEMPTS.labels(label, outcome)
+                          for outcome in _OUTCOMES}
+
+    def ended(self, outcome: str) -> None:
+        self._attempts[outcome].inc()
+
+
+_OUTCOMES = ("completed", "retry", "dead", "deferred", "lease_lost", "unreported")
+
+
 class _Calls:
     """The worker-side FCALLs on one pool, as the contract lists them, queued on the pipeline."""
 
     def __init__(self, client: aioredis.Redis, pipeline: _Pipeline, base: str, ready: str,
-                 worker_id: str, lease_s: float) -> None:
+                 worker_id: str, lease_s: float, pool: str) -> None:
         self.client = client
         self.pipeline = pipeline
         self.base = base
         self.ready = ready
         self.worker_id = worker_id
         self.lease_arg = f"{lease_s:g}"
+        self.metrics = _Metrics(pool)
 
     async def lease_many(self, messages: list[_Message]) -> list[int | None]:
         """Lease a batch in one call; RedisError if the call failed (then none is leased)."""
@@ -480,6 +499,7 @@ class _Execution:
         except (KeyError, ValueError, msgspec.DecodeError) as exc:
             self._report(_Failed(_error("MalformedMessage", repr(exc)), retryable=False))
             return
+        self._began = time.perf_counter()
         self._work = self._loop.create_task(handler(ctx), name=f"herdwick:{ctx.execution_id}")
         self._work.add_done_callback(self._handler_done)
         if ctx.timeout_s > 0:
@@ -523,8 +543,10 @@ class _Execution:
             self._timer.cancel()
             self._timer = None
         self._lease.release()
+        self._calls.metrics.handler.observe(time.perf_counter() - self._began)
         outcome = self._outcome()
         if outcome is None:
+            self._calls.metrics.ended("lease_lost" if self._lease.lost else "unreported")
             self._end()
         else:
             self._report(outcome)
@@ -553,9 +575,11 @@ class _Execution:
             return
         exc = reply.exception()
         if exc is None:
+            said = _said(outcome, reply.result())
+            self._calls.metrics.ended(said)
             # debug: one line per execution would cost more than the execution at 5,000/s
             if log.is_enabled(logging.DEBUG):
-                log.debug("execution_" + _said(outcome, reply.result()), **m.ids())
+                log.debug("execution_" + said, **m.ids())
         elif (tries := self._tries + 1) < REPORT_ATTEMPTS:  # complete/fail are fenced: resend
             self._tries = tries
             log.warning("report_failed", **m.ids(), tries=tries, error=exc)
@@ -563,6 +587,7 @@ class _Execution:
                                   self._report, outcome)
             return
         else:  # the lease lapses and the reaper counts the attempt as failed
+            self._calls.metrics.ended("unreported")
             log.error("report_abandoned", **m.ids(), error=exc)
         self._end()
 
@@ -693,6 +718,10 @@ class Worker:
         # sends the JSON text as it is, spares a decode per delivery).
         self.decode_payload = True
 
+    def gauges(self):
+        yield ("herdwick_worker_in_flight", {"pool": telemetry.pool_label(self.pool)},
+               len(self._executions))
+
     def configure(self, *, redis_url: str | None = None, key_prefix: str | None = None) -> None:
         """Set the Redis URL and key prefix before run() (`herdwick worker`'s flags do)."""
         if self._started:
@@ -736,7 +765,8 @@ class Worker:
         client = self._given_client or aioredis.from_url(url)
         pipeline = _Pipeline(client)
         calls = _Calls(client, pipeline, keys.pool_base(prefix, self.pool),
-                       self._ready, self.worker_id, self.lease_s)
+                       self._ready, self.worker_id, self.lease_s, self.pool)
+        telemetry.watch(self)
         reader = _Reader(client, self._ready, self.worker_id)
         flusher = asyncio.create_task(pipeline.run())
         watcher = asyncio.create_task(self._watch(stop)) if stop is not None else None
@@ -760,6 +790,7 @@ class Worker:
             await reader.close()
             if self._given_client is None:
                 await client.aclose()
+            telemetry.unwatch(self)
             log.info("worker_stopped", pool=self.pool, worker_id=self.worker_id)
             self._done.set()
 

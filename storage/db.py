@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import asyncpg
 
-from herdwick import logs
+from herdwick import logs, telemetry
 from herdwick.errors import Rejected, StorageUnavailable
+from herdwick.storage.sql import queries
 
 log = logs.get("herdwick.storage")
 
@@ -84,6 +86,20 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     """
 
 
+async def _timed(conn: asyncpg.Connection) -> None:
+    conn.add_query_logger(_observe)
+
+
+@functools.cache
+def _names() -> dict[str, str]:
+    return {text: name for name, text in queries().items()}
+
+
+def _observe(record) -> None:
+    """asyncpg's timing of each statement, by its name in storage/queries (else "other")."""
+    telemetry.POSTGRES.labels(_names().get(record.query, "other")).observe(record.elapsed)
+
+
 class Database:
     """Owns the asyncpg pool. Every query goes through `connection()`."""
 
@@ -101,6 +117,7 @@ class Database:
                 timeout=CONNECT_TIMEOUT_S,
                 server_settings={"timezone": "UTC", "application_name": "herdwick"},
                 reset=_keep_session,
+                init=_timed,
             )
         return cls(pool)
 

@@ -11,7 +11,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from herdwick import logs
+from herdwick import logs, telemetry
 from herdwick.errors import StorageUnavailable
 from herdwick.storage import keys
 
@@ -143,7 +143,8 @@ class HotTier:
                 chunk = items[start:start + PUBLISH_CHUNK]
                 pipe.fcall("hw_publish", 1, base, publish_arg(chunk), slots if start == 0 else 0)
         try:
-            results = await pipe.execute()
+            with telemetry.timed_redis("hw_publish"):
+                results = await pipe.execute()
         except RedisError as exc:
             raise StorageUnavailable(f"redis: publish failed: {exc}") from exc
         return sum(int(r) for r in results)
@@ -151,8 +152,9 @@ class HotTier:
     async def admit(self, pool: str, want: int, cap: int = 0, release: int = 0) -> Admission:
         """Ask for up to `want` slots of the pool's ready stream (hw_admit)."""
         try:
-            reply = await self.client.fcall("hw_admit", 1, keys.pool_base(self.prefix, pool),
-                                            want, cap, release)
+            with telemetry.timed_redis("hw_admit"):
+                reply = await self.client.fcall("hw_admit", 1, keys.pool_base(self.prefix, pool),
+                                                want, cap, release)
         except RedisError as exc:
             raise StorageUnavailable(f"redis: hw_admit failed: {exc}") from exc
         granted, cap_now, waiting, reserved = (int(v) for v in reply)
@@ -168,7 +170,8 @@ class HotTier:
             pipe.fcall("hw_take", 1, keys.tenant_bucket(self.prefix, ask.tenant_id), ask.want,
                        repr(ask.rate), repr(ask.burst))
         try:
-            replies = await pipe.execute()
+            with telemetry.timed_redis("hw_take"):
+                replies = await pipe.execute()
         except RedisError as exc:
             raise StorageUnavailable(f"redis: hw_take failed: {exc}") from exc
         return [(int(granted), int(wait_ms)) for granted, wait_ms in replies]
@@ -182,7 +185,8 @@ class HotTier:
             pipe.fcall("hw_put", 1, keys.tenant_bucket(self.prefix, tenant_id), count,
                        repr(burst))
         try:
-            await pipe.execute()
+            with telemetry.timed_redis("hw_put"):
+                await pipe.execute()
         except RedisError as exc:
             raise StorageUnavailable(f"redis: hw_put failed: {exc}") from exc
 
@@ -212,6 +216,26 @@ class HotTier:
             return 0
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         return max(0, now_ms - int(_text(oldest).partition("-")[0]))
+
+    async def ready_stats(self, pools: list[str]) -> dict[str, tuple[int, int]]:
+        """Of each pool's ready stream: (entries no worker has read, entries read and not
+        acked), in one round trip; a pool whose stream or group is missing is left out."""
+        pipe = self.client.pipeline(transaction=False)
+        for pool in pools:
+            pipe.xinfo_groups(keys.ready_stream(self.prefix, pool))
+        try:
+            with telemetry.timed_redis("xinfo_groups"):
+                replies = await pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            raise StorageUnavailable(f"redis: {exc}") from exc
+        stats = {}
+        for pool, groups in zip(pools, replies, strict=True):
+            if isinstance(groups, Exception):
+                continue
+            for group in groups:
+                if _text(group["name"]) == keys.WORKERS_GROUP:
+                    stats[pool] = (int(group.get("lag") or 0), int(group["pending"]))
+        return stats
 
     async def pools(self) -> list[str]:
         """Every pool that has had work published, on any node."""

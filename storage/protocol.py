@@ -20,6 +20,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from herdwick import telemetry
 from herdwick.errors import HerdwickError, StorageUnavailable
 from herdwick.storage import keys
 
@@ -123,8 +124,10 @@ def _lease_s(lease_s: float) -> str:
 
 @contextmanager
 def _unavailable(what: str) -> Iterator[None]:
+    """Times the call (herdwick_redis_call_seconds) and translates a failure."""
     try:
-        yield
+        with telemetry.timed_redis(what):
+            yield
     except RedisError as exc:
         raise StorageUnavailable(f"redis: {what} failed: {exc}") from exc
 

@@ -443,3 +443,26 @@ async def test_with_postgres_and_redis_both_gone_sigint_still_stops_dev(
     began = time.monotonic()
     assert await dev.stop(signal.SIGINT) == 0
     assert time.monotonic() - began < STOP_BOUND_S
+
+
+async def test_the_printed_metrics_url_shows_the_lag_of_a_job_that_ran(start_dev,
+                                                                       external) -> None:
+    dev = await start_dev(**external)
+    banner = await dev.banner()
+    url, admin = banner.values["metrics"], banner.values["admin token"]
+    assert "admin token" in banner.notes["metrics"]
+    status, _ = await _status(dev.url, "/v1/jobs", token=banner.values["API key"],
+                              json=_job(schedule={"delaySeconds": 1}))
+    assert status == 201
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url) as resp:
+            assert resp.status == 401
+        for _ in range(100):  # real time: the job falls due a second from now
+            async with http.get(url, headers={"Authorization": f"Bearer {admin}"}) as resp:
+                text = await resp.text()
+            if "herdwick_dispatch_lag_seconds_count" in text:
+                break
+            await asyncio.sleep(0.1)
+    tenant = banner.values["dev tenant"]
+    assert (f'herdwick_dispatch_lag_seconds_count{{pool="emails",stage="published",'
+            f'tenant="{tenant}"}} 1.0') in text

@@ -19,8 +19,11 @@ from datetime import UTC, datetime
 import pytest
 from aiohttp import web
 from aiohttp.abc import AbstractResolver
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 import herdwick
+from herdwick import telemetry
 from herdwick.clock import ManualClock
 from herdwick.http_worker import BreakerPolicy, HttpWorker
 from tests.integration.conftest import Api, tenant_api
@@ -282,6 +285,8 @@ async def test_a_down_target_opens_its_breaker_without_burning_attempts_or_slowi
             for i in range(10)]
     healthy = [await submit(api, **http_job(receiver.url, name=f"up-{i}")) for i in range(5)]
     node = await schedulers()
+    down_label = telemetry.target_label(f"http://127.0.0.1:{down_port}")
+    deferred_before = metric("herdwick_http_deliveries_total", outcome="circuit_open")
     async with http_worker(redis_client, key_prefix, concurrency=2):
         await run_due(node, clock)
         for job in healthy:  # the healthy target flows while the other fails
@@ -317,6 +322,11 @@ async def test_a_down_target_opens_its_breaker_without_burning_attempts_or_slowi
                 [j["jobId"] for j in down])
         probes = [e for e in errors if json.loads(e["error"]).get("probe")]
         assert probes and len(errors) == burned + len(probes)
+        # The metrics say so: the target's breaker open (2), its deferrals counted.
+        assert metric("herdwick_http_breaker_state", target=down_label) == 2
+        assert metric("herdwick_http_breakers", state="open") >= 1
+        assert metric("herdwick_http_deliveries_total", outcome="circuit_open") \
+            - deferred_before >= deferred
         # The receiver comes back: the probe closes the breaker and everything is delivered.
         async with serving(Receiver(), down_port) as back:
             for _ in range(20):
@@ -326,9 +336,19 @@ async def test_a_down_target_opens_its_breaker_without_burning_attempts_or_slowi
                 if len(back.got) >= 10:
                     break
             finals = [await settled(api, node, j["jobId"], {"succeeded"}) for j in down]
+        assert metric("herdwick_http_breaker_state", target=down_label) == 0
     assert all(f["state"] == "succeeded" for f in finals)
     deferred_attempts = sum(a["outcome"] == "deferred" for f in finals for a in f["attempts"])
     assert deferred_attempts >= 10 - burned
+
+
+def metric(name: str, **labels) -> float:
+    """A sample of this process's metrics, as a scrape would read it (0 when absent)."""
+    for family in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
 
 
 class Rebinding(AbstractResolver):
