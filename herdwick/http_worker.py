@@ -51,7 +51,7 @@ NO_SECRET_DEFER_S = 5.0  # no keys in Redis yet (it restarted; the scheduler res
 BUSY_WAIT_S = 1.0
 BUSY_DEFER_S = 1.0
 LATENCY_WEIGHT = 0.1  # of each request in a target's smoothed latency
-TIMEOUT_MARGIN_S = 0.05  # the request gives up before the SDK's handler timeout
+TIMEOUT_MARGIN_S = 0.1  # the request gives up this long before the SDK's handler timeout
 MAX_RETRY_AFTER_S = 24 * 3600.0
 DNS_CACHE_S = 10
 URL_CACHE_SIZE = 10_000  # target URLs whose checks are remembered
@@ -212,7 +212,6 @@ class Delivery:
         self._session: aiohttp.ClientSession | None = None
         self._pipeline: _Pipeline | None = None
         self._tasks: list[asyncio.Task] = []
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._delivered: dict[str, object] = {}  # outcome class -> its counter child
 
     async def __aenter__(self) -> Delivery:
@@ -267,6 +266,7 @@ class Delivery:
             yield "herdwick_http_breakers", {"state": state}, count
 
     async def _deliver(self, ctx: Context) -> dict[str, Any]:
+        began = time.monotonic()  # the SDK's handler timeout runs from about now
         if not ctx.target:
             raise TargetMissing()
         url, origin = self._checked_url(ctx.target)
@@ -293,7 +293,7 @@ class Delivery:
         target.in_flight += 1
         sent = time.monotonic()
         try:
-            return await self._post(ctx, url, origin, target, probe, signing)
+            return await self._post(ctx, url, origin, target, probe, signing, began)
         finally:
             took = time.monotonic() - sent
             target.latency_s += LATENCY_WEIGHT * (took - target.latency_s) if target.latency_s \
@@ -372,8 +372,8 @@ class Delivery:
             raise SecretMissing(NO_SECRET_DEFER_S * random.uniform(1, 1.5), tenant_id)
         return found
 
-    async def _post(self, ctx: Context, url: yarl.URL, origin: str,
-                    target: _Target, probe: bool, signing: SigningKeys) -> dict[str, Any]:
+    async def _post(self, ctx: Context, url: yarl.URL, origin: str, target: _Target,
+                    probe: bool, signing: SigningKeys, began: float) -> dict[str, Any]:
         body = ctx.payload_json.encode()
         now = time.time()
         headers = {
@@ -387,10 +387,10 @@ class Delivery:
             "Herdwick-Signature": signature_header(signing.active(int(now * 1000)), body,
                                                    int(now)),
         }
-        timeout = self._timeouts.get(ctx.timeout_s)
-        if timeout is None:  # a handful of distinct values: one object each, not a request
-            timeout = self._timeouts[ctx.timeout_s] = aiohttp.ClientTimeout(
-                total=max(0.1, ctx.timeout_s - TIMEOUT_MARGIN_S))
+        # What is left of the job's timeout once a slot, its breaker and its keys were had,
+        # so the request gives up (a `timeout`) before the SDK's timer does.
+        timeout = aiohttp.ClientTimeout(
+            total=max(0.05, ctx.timeout_s - TIMEOUT_MARGIN_S - (time.monotonic() - began)))
         try:
             async with self._session.post(url, data=body, headers=headers,
                                           allow_redirects=False, timeout=timeout) as response:
