@@ -238,14 +238,17 @@ class Child:
 
 
 @contextlib.asynccontextmanager
-async def children(kind: type[Child], count: int, args: list[str],
-                   env: dict[str, str]) -> AsyncIterator[list[Any]]:
+async def children(kind: type[Child], count: int, args: list[str], env: dict[str, str],
+                   metrics_port: int | None = None) -> AsyncIterator[list[Any]]:
     """`count` children started one after the other, each up before the next; all stopped
-    together on the way out, whatever happened."""
+    together on the way out, whatever happened. With metrics_port, child i serves its
+    Prometheus metrics on 127.0.0.1:metrics_port + i."""
     procs: list[Child] = []
     try:
-        for _ in range(count):
-            procs.append(kind(await spawn(args, env, kind.module)))
+        for i in range(count):
+            served = [] if metrics_port is None else [
+                "--metrics-port", str(metrics_port + i), "--metrics-host", "127.0.0.1"]
+            procs.append(kind(await spawn([*args, *served], env, kind.module)))
             await procs[-1].started()
         yield procs
     finally:
@@ -263,13 +266,14 @@ class SchedulerProcess(Child):
 
 
 def scheduler_processes(count: int, dsn: str, redis_url: str, prefix: str,
-                        ready_max: str = UNBOUNDED_READY, **settings: str,
+                        ready_max: str = UNBOUNDED_READY, metrics_port: int | None = None,
+                        **settings: str,
                         ) -> contextlib.AbstractAsyncContextManager[list[SchedulerProcess]]:
     """`count` schedulers on one database and prefix; `settings` are more HERDWICK_*
     variables (e.g. HERDWICK_DISPATCH_ORDER="fifo")."""
     env = child_env(HERDWICK_DATABASE_URL=dsn, HERDWICK_REDIS_URL=redis_url,
                     HERDWICK_KEY_PREFIX=prefix, HERDWICK_READY_MAX=ready_max, **settings)
-    return children(SchedulerProcess, count, ["scheduler"], env)
+    return children(SchedulerProcess, count, ["scheduler"], env, metrics_port)
 
 
 class WorkerProcess(Child):
@@ -290,14 +294,14 @@ WORKER_HANDLER_MS_ENV = "HW_LOADTEST_HANDLER_MS"
 
 
 def worker_processes(count: int, app: str, redis_url: str, prefix: str, pool: str,
-                     concurrency: int, handler_ms: float = 0.0,
+                     concurrency: int, handler_ms: float = 0.0, metrics_port: int | None = None,
                      ) -> contextlib.AbstractAsyncContextManager[list[WorkerProcess]]:
     """`count` processes of `herdwick worker APP` (e.g. herdwick.loadtest.noop_worker:worker)
     on one pool."""
     env = child_env(**{WORKER_REDIS_URL_ENV: redis_url, WORKER_PREFIX_ENV: prefix,
                        WORKER_POOL_ENV: pool, WORKER_CONCURRENCY_ENV: str(concurrency),
                        WORKER_HANDLER_MS_ENV: repr(handler_ms)})
-    return children(WorkerProcess, count, ["worker", app], env)
+    return children(WorkerProcess, count, ["worker", app], env, metrics_port)
 
 
 class HttpWorkerProcess(Child):

@@ -132,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds from the move to the due second; default 6")
     a("--timeout", type=float, default=180.0,
       help="give up waiting after this many seconds; default 180")
+    a("--metrics-port", type=int, default=None, metavar="PORT",
+      help="the schedulers serve Prometheus metrics on 127.0.0.1:PORT, PORT+1, ... and the "
+      "workers on the ports after theirs, to watch during the run; default off")
     add_scratch_flags(parser)
     add_report_flags(parser)
 
@@ -147,6 +150,10 @@ def plan_from(args: argparse.Namespace) -> Plan:
         raise ConfigError(f"loadtest e2e: {exc}") from None
     if plan.jobs == 0 and plan.rate == 0:
         raise ConfigError("loadtest e2e: nothing to run: give --jobs, --rate or both")
+    last = (args.metrics_port or 1) + plan.schedulers + args.workers - 1
+    if args.metrics_port is not None and not (1 <= args.metrics_port and last <= 65535):
+        raise ConfigError(f"loadtest e2e: --metrics-port {args.metrics_port}: the processes "
+                          f"need ports {args.metrics_port}..{last}, within 1..65535")
     return plan
 
 
@@ -209,10 +216,17 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
     tenants = await create_tenants(db, plan.tenants)
     factory = JobFactory([pool])
     parked = await _insert_herd(db, plan, factory, tenants, progress)
+    port = args.metrics_port
+    if port is not None:
+        progress.say(f"metrics: http://127.0.0.1:{port}/metrics (scheduler)"
+                     + (f" ... :{port + plan.schedulers - 1}" if plan.schedulers > 1 else "")
+                     + f", workers from :{port + plan.schedulers}")
     async with scheduler_processes(plan.schedulers, dsn, args.redis_url, prefix,
-                                   ready_max="auto") as procs, \
+                                   ready_max="auto", metrics_port=port) as procs, \
             worker_processes(args.workers, WORKER_APP, args.redis_url, prefix, pool,
-                             args.concurrency) as workers:
+                             args.concurrency,
+                             metrics_port=None if port is None else port + plan.schedulers,
+                             ) as workers:
         await leases_settled(db, procs, deadline)
         before = await server_counts(db, client)
         sampler = StreamSampler(client, prefix, [pool])

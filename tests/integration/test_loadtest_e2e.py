@@ -56,3 +56,48 @@ async def test_a_tiny_steady_rate_goes_through_real_workers(services) -> None:
     assert report.redis_commands_per_execution > 0
     assert msgspec.json.decode(msgspec.json.encode(report), type=e2e.Report) == report
     assert "all 100 succeeded in Postgres" in e2e.render_text(report)
+
+
+def _free_ports(count: int) -> int:
+    """The first of `count` consecutive ports nothing listens on."""
+    import random
+    import socket
+
+    for _ in range(50):
+        base = random.randrange(20_000, 60_000)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free ports")
+
+
+async def test_the_lag_histogram_moves_on_metrics_port_during_a_run(services) -> None:
+    import asyncio
+
+    import aiohttp
+
+    port = _free_ports(2)
+    args = e2e_args(services, "--jobs", "0", "--rate", "100", "--duration", "4",
+                    "--metrics-port", str(port))
+    run = asyncio.create_task(e2e.run(args, Progress(None)))
+    counts: list[float] = []
+    async with aiohttp.ClientSession() as http:
+        while not run.done():
+            try:
+                async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    text = await resp.text()
+                counts.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                  if line.startswith("herdwick_dispatch_lag_seconds_count{")
+                                  and 'stage="leased"' in line))
+            except aiohttp.ClientConnectionError:
+                pass  # not up yet, or gone
+            await asyncio.sleep(0.5)
+    report = await run
+    assert report.steady is not None and report.steady.succeeded == 400
+    moving = [c for c in counts if 0 < c < 400]
+    assert len(set(moving)) >= 2, counts  # seen at several points on its way up
+    assert max(counts) == 400
