@@ -6,7 +6,10 @@ which fences out any worker still holding the old attempt. A missing epoch
 key means Redis lost its data: then functions are reloaded, the pools of
 unfinished work get their consumer group and pool-set entry back, and
 everything unfinished is swept at once, not only what is older than the
-grace period.
+grace period. Not at once, though: the workers first send their recent completions
+again (hw_recover), those whose events Redis lost before Postgres had them, so that
+they are recorded rather than run again; the sweep of everything waits
+RECOVERY_GRACE_S for that, as long as there is anything unfinished to sweep.
 """
 
 from __future__ import annotations
@@ -33,52 +36,81 @@ SWEEP_BATCH = 5_000
 # Redis keeps a finished execution's hot state 60 s (lua/herdwick.lua TERMINAL_TTL_MS):
 # rows are judged only when their pool's events are applied up to well inside that.
 EVENTS_SETTLED_S = 30.0
+# Workers look for a new epoch every second (herdwick/worker.py EPOCH_POLL_S): time for
+# them to see it and send their completions again, before what is unfinished is re-run.
+RECOVERY_GRACE_S = 3.0
 
 
 class Sweeper(Actor):
     name = "sweeper"
 
     def __init__(self, *, db: Database, hot: HotTier, clock: Clock, publish,
-                 db_now: bool = False) -> None:
+                 db_now: bool = False, recovery_grace_s: float = RECOVERY_GRACE_S) -> None:
         super().__init__(clock=clock)
         self._db = db
         self._hot = hot
         self._publish = publish
         self._db_now = db_now
-        self._epoch = uuid.uuid4().hex
+        self._recovery_grace_s = recovery_grace_s
+        self._lost_at: datetime | None = None  # when Redis was found empty, until swept
         self.republished = 0
+
+    def idle_timeout(self) -> float | None:
+        if self._lost_at is None:
+            return None  # Ticks drive it
+        waited = (self.clock.now() - self._lost_at).total_seconds()
+        return max(0.0, self._recovery_grace_s - waited)
 
     async def on_start(self) -> None:
         await self.run_once()
 
     async def handle(self, msg: object | None) -> None:
-        if isinstance(msg, Tick):
+        if isinstance(msg, Tick) or (msg is None and self._lost_at is not None):
             await self.run_once()
 
     async def run_once(self) -> int:
         try:
-            lost_data = await self._hot.ensure_epoch(self._epoch)
-            if lost_data:
+            now = self.clock.now()
+            # A new value each time: a worker tells a loss by the epoch changing.
+            if await self._hot.ensure_epoch(uuid.uuid4().hex):
                 await self._hot.load_functions()
                 self._hot.forget_groups()
-            return await self._sweep(everything=lost_data)
+                self._lost_at = now
+            if self._lost_at is not None:
+                return await self._after_loss(now)
+            return await self._sweep(now - timedelta(seconds=GRACE_S), everything=False)
         except StorageUnavailable as exc:
             log.warning("sweep_skipped", error=exc)
             return 0
 
-    async def _sweep(self, everything: bool) -> int:
+    async def _after_loss(self, now: datetime) -> int:
+        """Everything unfinished from before the loss, once the workers had their chance
+        to send their completions again (or at once when there is nothing to wait for)."""
+        waited = (now - self._lost_at).total_seconds()
+        if waited < self._recovery_grace_s:
+            rows = await store.unfinished(self._db, self._lost_at, SWEEP_BATCH)
+            if rows:
+                await self._restore_pools(rows)  # their outcomes must be read meanwhile
+                log.info("sweep_awaits_recovery", seconds=self._recovery_grace_s - waited)
+                return 0
+        lost_at, self._lost_at = self._lost_at, None
+        return await self._sweep(lost_at, everything=True)
+
+    async def _restore_pools(self, rows: list[store.Unfinished]) -> None:
+        """Work published into the empty Redis before the loss was seen went out under a
+        stale group cache: no consumer group, and its pool missing from the pool set, so
+        the event actor and the reaper would never look at it again."""
+        for pool in sorted({r.pool for r in rows}):
+            await self._hot.ensure_group(pool)
+
+    async def _sweep(self, cutoff: datetime, everything: bool) -> int:
         now = self.clock.now()
-        cutoff = now if everything else now - timedelta(seconds=GRACE_S)
         rows = await store.unfinished(self._db, cutoff, SWEEP_BATCH)
         if not rows:
             return 0
         if everything:
-            # Work published into the empty Redis before this pass went out under a stale
-            # group cache: no consumer group, and its pool missing from the pool set, so
-            # the event actor and the reaper would never look at it again.
-            for pool in sorted({r.pool for r in rows}):
-                await self._hot.ensure_group(pool)
-        if not everything:
+            await self._restore_pools(rows)
+        else:
             rows = await self._settled_pools_only(rows)
         hot = await self._hot.hot_attempts([(r.pool, str(r.execution_id)) for r in rows])
         missing = [r for r, attempt in zip(rows, hot, strict=True)

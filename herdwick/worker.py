@@ -22,6 +22,7 @@ Redis call but the blocking read goes through one coalescing pipeline.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import logging
@@ -58,6 +59,12 @@ MAX_PIPELINE = 1000  # calls per pipeline: bounds one round trip, and the server
 REPORT_ATTEMPTS = 3  # complete/fail are fenced, so resending one is safe
 REPORT_RETRY_S = 0.2
 SETTLE_S = 5.0  # how long a cancelled handler may take to unwind before it is abandoned
+# Completions are kept this long (at most EVIDENCE_MAX of them) to be sent again if Redis
+# comes back empty before their events reached Postgres: far past the events' usual lag.
+EVIDENCE_S = 60.0
+EVIDENCE_MAX = 100_000
+EPOCH_POLL_S = 1.0  # how often a worker looks whether Redis lost its data (the epoch key)
+RECOVER_CHUNK = 500  # completions per hw_recover call
 
 REDIS_URL_ENV = "HERDWICK_REDIS_URL"
 KEY_PREFIX_ENV = "HERDWICK_KEY_PREFIX"
@@ -247,6 +254,43 @@ class _Metrics:
 _OUTCOMES = ("completed", "retry", "dead", "deferred", "lease_lost", "unreported")
 
 
+class _Evidence:
+    """This worker's recent completions, kept until Postgres surely has them (EVIDENCE_S).
+
+    A completion lives in Redis (its `completed` event) until the event actor folds it
+    into Postgres. If Redis loses its data in between, Postgres would still have the
+    execution running and the sweeper would run it again; sent again with hw_recover
+    once the worker sees Redis's new epoch, it is recorded rather than re-run. A complete
+    refused as LEASE_LOST is kept too: if Redis lost the lease, the work was done all the
+    same; if the lease passed to another attempt, Postgres's fence refuses it again.
+    """
+
+    def __init__(self) -> None:
+        # (execution_id, attempt) -> the 8 hw_recover fields, oldest first; monotonic times
+        self._items: collections.OrderedDict[tuple[str, int], tuple[float, tuple]] = \
+            collections.OrderedDict()
+
+    def add(self, message: _Message, result_json: bytes, handler_s: float) -> None:
+        finished_ms = int(time.time() * 1000)
+        f = message.fields
+        self._items[message.execution_id, message.attempt] = (time.monotonic(), (
+            message.execution_id, message.attempt, f.get("job_id", ""), f.get("tenant_id", ""),
+            f.get("scheduled_for", ""), finished_ms - int(handler_s * 1000), finished_ms,
+            result_json))
+        if len(self._items) > EVIDENCE_MAX:
+            self._items.popitem(last=False)
+
+    def recent(self) -> list[tuple]:
+        """What is still worth sending: the completions of the last EVIDENCE_S."""
+        oldest = time.monotonic() - EVIDENCE_S
+        while self._items:
+            key, (at, _) = next(iter(self._items.items()))
+            if at >= oldest:
+                break
+            del self._items[key]
+        return [fields for _, fields in self._items.values()]
+
+
 class _Calls:
     """The worker-side FCALLs on one pool, as the contract lists them, queued on the pipeline."""
 
@@ -259,6 +303,7 @@ class _Calls:
         self.worker_id = worker_id
         self.lease_arg = f"{lease_s:g}"
         self.metrics = _Metrics(pool)
+        self.evidence = _Evidence()
 
     async def lease_many(self, messages: list[_Message]) -> list[int | None]:
         """Lease a batch in one call; RedisError if the call failed (then none is leased)."""
@@ -268,6 +313,15 @@ class _Calls:
         if not isinstance(replies, list) or len(replies) != len(messages):
             raise RedisError(f"hw_lease_batch replied {replies!r:.100}")
         return [_until(r) for r in replies]
+
+    async def recover(self) -> int:
+        """Send the recent completions again (hw_recover); -> how many Redis lacked."""
+        items = self.evidence.recent()
+        replies = await asyncio.gather(*(
+            self.pipeline.submit("FCALL", "hw_recover", 1, self.base, self.worker_id,
+                                 *(v for item in items[i:i + RECOVER_CHUNK] for v in item))
+            for i in range(0, len(items), RECOVER_CHUNK)))
+        return sum(int(r) for r in replies)
 
     def ack(self, message_ids: list) -> None:
         """XACK, fire and forget: a lost ack only means a later claim, which meets LEASE_LOST."""
@@ -577,6 +631,8 @@ class _Execution:
         if exc is None:
             said = _said(outcome, reply.result())
             self._calls.metrics.ended(said)
+            if isinstance(outcome, _Completed):
+                self._calls.evidence.add(m, outcome.result_json, time.perf_counter() - self._began)
             # debug: one line per execution would cost more than the execution at 5,000/s
             if log.is_enabled(logging.DEBUG):
                 log.debug("execution_" + said, **m.ids())
@@ -769,6 +825,7 @@ class Worker:
         telemetry.watch(self)
         reader = _Reader(client, self._ready, self.worker_id)
         flusher = asyncio.create_task(pipeline.run())
+        epochs = asyncio.create_task(self._watch_epoch(calls, keys.epoch_key(prefix)))
         watcher = asyncio.create_task(self._watch(stop)) if stop is not None else None
         log.info("worker_started", pool=self.pool, worker_id=self.worker_id,
                  concurrency=self.concurrency, lease_s=self.lease_s,
@@ -784,6 +841,8 @@ class Worker:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            epochs.cancel()
+            await asyncio.gather(epochs, return_exceptions=True)
             await self._drain(grace_s)
             flusher.cancel()
             await asyncio.gather(flusher, return_exceptions=True)
@@ -793,6 +852,31 @@ class Worker:
             telemetry.unwatch(self)
             log.info("worker_stopped", pool=self.pool, worker_id=self.worker_id)
             self._done.set()
+
+    async def _watch_epoch(self, calls: _Calls, epoch_key: str) -> None:
+        """Every EPOCH_POLL_S: has Redis a new epoch, i.e. did it lose its data? Then the
+        recent completions go again (before the sweeper, which waits for them, re-runs
+        what Postgres still has running). A missing epoch waits for a scheduler to set one."""
+        seen = None
+        while True:
+            try:
+                epoch = await calls.pipeline.submit("GET", epoch_key)
+            except RedisError:
+                epoch = None  # unreachable, or restarting: look again
+            if epoch is not None:
+                if seen is not None and epoch != seen:
+                    await self._recover(calls)
+                seen = epoch
+            await asyncio.sleep(EPOCH_POLL_S * random.uniform(0.8, 1.0))
+
+    async def _recover(self, calls: _Calls) -> None:
+        try:
+            recovered = await calls.recover()
+        except RedisError as exc:  # the sweeper re-runs them: at least once, still
+            log.warning("recover_failed", pool=self.pool, error=exc)
+            return
+        log.warning("completions_recovered", pool=self.pool, count=recovered,
+                    hint="Redis lost its data; these completions were sent again")
 
     async def _watch(self, stop: asyncio.Event) -> None:
         await stop.wait()

@@ -48,6 +48,8 @@ the attempt started.)
   (a failed event with deferred '1', from library version 13, is an attempt put off
   without counting against max_attempts: hw_fail's defer flag)
   canceled   nothing more (worker_id is the holder's, '' if none)
+  (a completed event with recovered '1', from library version 15, is hw_recover's: a
+  worker's completion sent again after Redis lost its data)
   stale      call ('heartbeat'|'complete'|'fail'), current_attempt ('' if the hash is
              gone): from library version 14, a worker call the fence refused that came
              from an attempt whose lease lapsed or that a later attempt replaced, so its
@@ -55,7 +57,7 @@ the attempt started.)
              job_id, tenant_id and scheduled_for are '' when the hash is gone
 ]]
 
-local LIBRARY_VERSION = '14'
+local LIBRARY_VERSION = '15'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- A done, dead or canceled hash keeps only its attempt and state, for this long:
 -- a late republish of that attempt (a scheduler retrying a publish whose reply it
@@ -576,6 +578,45 @@ local function hw_complete_batch(keys, args)
 end
 
 --[[
+hw_recover  KEYS[1] = P:{pool}
+            ARGV = worker_id, then execution_id, attempt, job_id, tenant_id, scheduled_for,
+                   started_ms, finished_ms, result_json for each completion
+A worker's recent completions, sent again once Redis came back without its data (a new
+epoch): the `completed` events of some had not reached Postgres, which would run them
+again. Each execution Redis has no hot state of is written as done (attempt and state,
+for TERMINAL_TTL_MS: the sweeper sees it is not lost) and XADDs `completed` as
+hw_complete would have, with `recovered` '1' and at_ms the time the worker finished it;
+an execution Redis knows is left alone. Postgres applies the event only if it still has
+that attempt queued or running.
+Reply: how many were recovered.
+]]
+local function hw_recover(keys, args)
+  local base = keys[1]
+  local worker_id = worker_arg('hw_recover', args[1])
+  if (#args - 1) % 8 ~= 0 then
+    bad_arg('hw_recover', 'takes completions of 8 fields each')
+  end
+  local events, recovered = {}, 0
+  for i = 2, #args, 8 do
+    local execution_id = args[i]
+    local attempt = int_arg('hw_recover', 'attempt', args[i + 1])
+    local finished = int_arg('hw_recover', 'finished_ms', args[i + 6])
+    local hot = base .. ':x:' .. execution_id
+    if redis.call('EXISTS', hot) == 0 then
+      redis.call('HSET', hot, 'attempt', fmt(attempt), 'state', 'done')
+      redis.call('PEXPIRE', hot, TERMINAL_TTL_MS)
+      emit(base, 'completed', execution_id,
+           {attempt = fmt(attempt), job_id = args[i + 2], tenant_id = args[i + 3],
+            scheduled_for = args[i + 4], leased_at = args[i + 5]},
+           worker_id, finished, {'result', args[i + 7], 'recovered', '1'}, events)
+      recovered = recovered + 1
+    end
+  end
+  flush(base, events)
+  return recovered
+end
+
+--[[
 hw_fail  KEYS[1] = P:{pool}
          ARGV = execution_id, attempt, worker_id, error_json (JSON text),
                 retryable ('1' | '0'), optionally min_delay_ms (the least delay
@@ -934,6 +975,7 @@ redis.register_function{function_name = 'hw_complete', callback = hw_complete}
 redis.register_function{function_name = 'hw_lease_batch', callback = hw_lease_batch}
 redis.register_function{function_name = 'hw_complete_batch', callback = hw_complete_batch}
 redis.register_function{function_name = 'hw_fail', callback = hw_fail}
+redis.register_function{function_name = 'hw_recover', callback = hw_recover}
 redis.register_function{function_name = 'hw_expire', callback = hw_expire}
 redis.register_function{function_name = 'hw_cancel', callback = hw_cancel}
 redis.register_function{function_name = 'hw_breaker_check', callback = hw_breaker_check}

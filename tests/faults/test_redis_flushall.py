@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 import herdwick
 from herdwick.actors.base import Tick, sync
 from herdwick.actors.scheduler import Scheduler
+from herdwick.actors.sweeper import RECOVERY_GRACE_S
 from herdwick.clock import ManualClock
 from herdwick.config import Settings
 from herdwick.embedded import EmbeddedService, start_redis
@@ -218,6 +219,15 @@ async def drive_until(node: Scheduler, db, condition: Callable[[Counter], bool],
         await asyncio.sleep(POLL_S)  # the workers run on their own meanwhile
 
 
+async def sweep_after_loss(node: Scheduler, clock: ManualClock) -> int:
+    """The sweeper's passes after Redis lost its data: the first finds the epoch gone and
+    waits for the workers to send their completions again; one RECOVERY_GRACE_S later,
+    it republishes what is still unfinished."""
+    assert await node.sweeper.run_once() == 0
+    clock.advance(RECOVERY_GRACE_S)
+    return await node.sweeper.run_once()
+
+
 async def functions_loaded(client: aioredis.Redis) -> bool:
     return bool(await client.function_list(library="herdwick"))
 
@@ -255,9 +265,9 @@ async def test_redis_losing_everything_mid_run(how, api, node, ledger, admin, pr
         # The late jobs fall due before any sweep: dispatched into the empty Redis as usual.
         await advance(clock, LATE_DELAY_S, node)
         await node.settle()
-        assert await node.sweeper.run_once() == 70  # the epoch key is gone: no grace period
+        assert await sweep_after_loss(node, clock) == 70  # the epoch key is gone
     else:
-        assert await node.sweeper.run_once() == 70
+        assert await sweep_after_loss(node, clock) == 70
         assert await functions_loaded(admin)  # the sweeper reloaded them
         await advance(clock, LATE_DELAY_S, node)
         await node.settle()
@@ -331,7 +341,7 @@ async def test_the_attempt_cut_off_by_the_loss_does_not_stay_running_in_history(
 
     ledger.lost_data = True
     await lose_everything("flushall", admin, private_redis)
-    assert await node.sweeper.run_once() == 1
+    assert await sweep_after_loss(node, clock) == 1
     await drive_until(node, db, lambda s: s["succeeded"] == 1, "attempt 2 succeeded")
 
     [(eid, _)] = ledger.held
@@ -341,3 +351,37 @@ async def test_the_attempt_cut_off_by_the_loss_does_not_stay_running_in_history(
     assert got["attempts"][1]["outcome"] == "succeeded"
     assert got["attempts"][0]["outcome"] == "expired"
     assert got["attempts"][0]["finishedAt"] is not None
+
+
+async def test_completions_redis_lost_before_postgres_had_them_are_sent_again_not_rerun(
+        api, node, ledger, admin, private_redis, clock, db, caplog) -> None:
+    """The window the loss opens: workers were told their completes were recorded, and the
+    events saying so were still in Redis. The workers keep that evidence, and send it again
+    (hw_recover) when they see Redis's new epoch; the sweeper waits for it."""
+    ledger.finish_before = EARLY_JOBS + LATE_JOBS  # nothing holds
+    await node._core.stop("execution-events")  # behind: nothing reaches Postgres yet
+    await submit_all(api)
+    await advance(clock, 2, node)
+    await node.settle()
+    await ledger.until(lambda: len(ledger.finished) == EARLY_JOBS, "the early jobs finished")
+    assert (await states(db))["running"] + (await states(db))["queued"] == EARLY_JOBS
+
+    await lose_everything("flushall", admin, private_redis)  # their events with it
+    await node._core.start("execution-events", node._new_events)
+    assert await node.sweeper.run_once() == 0  # a new epoch; waiting for the workers
+    # The manual clock stands still: the sweeper republishes nothing while this waits.
+    after = await drive_until(node, db, lambda s: s["succeeded"] == EARLY_JOBS,
+                              "the recovered completions are in Postgres")
+    assert after == {"succeeded": EARLY_JOBS}
+    sent_again = [r for r in caplog.records if "event=completions_recovered" in r.getMessage()]
+    assert sum(int(r.getMessage().split("count=")[1].split()[0]) for r in sent_again) \
+        == EARLY_JOBS
+    clock.advance(RECOVERY_GRACE_S)
+    assert await node.sweeper.run_once() == 0  # nothing left to run again
+    assert [k for k, n in Counter(ledger.started).items() if n > 1] == []
+    assert Counter(attempt for _, attempt in ledger.finished) == {1: EARLY_JOBS}
+    async with db.connection() as conn:
+        recovered = await conn.fetchval(
+            "SELECT count(*) FROM execution_attempts WHERE outcome = 'succeeded' "
+            "AND worker_id LIKE 'worker-%'")
+    assert recovered == EARLY_JOBS  # each by the worker that ran it

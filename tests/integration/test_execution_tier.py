@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import msgspec
 import pytest
 
+from herdwick.actors.sweeper import RECOVERY_GRACE_S
 from herdwick.clock import ManualClock
 from herdwick.storage import keys
 from herdwick.storage.protocol import Protocol
@@ -306,7 +307,11 @@ async def test_redis_losing_everything_is_swept_at_once(api, schedulers, protoco
     # Redis restarts empty (only this test's keys: the server is shared).
     found = [k async for k in redis_client.scan_iter(match=f"{key_prefix}:*")]
     await redis_client.delete(*found)
-    assert await node.sweeper.run_once() == 5  # no grace: the epoch key says Redis is new
+    # The epoch key says Redis is new: the sweeper gives the workers RECOVERY_GRACE_S to
+    # send their completions again (none here), then republishes everything unfinished.
+    assert await node.sweeper.run_once() == 0
+    clock.advance(RECOVERY_GRACE_S)
+    assert await node.sweeper.run_once() == 5
     await node.settle()
     entries = await ready(redis_client, key_prefix)
     assert sorted(e["job_id"] for e in entries) == sorted(j["jobId"] for j in jobs)

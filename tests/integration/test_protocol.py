@@ -434,3 +434,31 @@ async def test_a_settled_outcome_leaves_redis_in_seconds_and_a_live_attempt_stay
     # A late republish of the finished attempt, within those seconds, is still a no-op.
     hot = HotTier(redis_client, key_prefix)
     assert await hot.publish({POOL: [done]}) == 0
+
+
+async def test_hw_recover_restores_only_what_redis_forgot(proto, publish, redis_client,
+                                                          key_prefix) -> None:
+    """A worker's completions sent again after a loss: an execution Redis knows is left
+    alone; one it forgot becomes done, with a `completed` event marked recovered."""
+    known = await publish()
+    await proto.lease(POOL, "w", 30, known.execution_id, 1)
+    await events(proto)  # what came before
+    base = keys.pool_base(key_prefix, POOL)
+    forgotten = "01a24300-0000-7000-8000-000000000001"
+
+    def fields(execution_id: str) -> list:
+        return [execution_id, 1, "job", "tenant", "2026-12-02T12:00:00Z", 1000, 2000, '{"ok":1}']
+
+    assert await redis_client.fcall("hw_recover", 1, base, "w", *fields(known.execution_id),
+                                    *fields(forgotten)) == 1
+    assert await redis_client.hgetall(keys.hot_state(key_prefix, POOL, forgotten)) == {
+        b"attempt": b"1", b"state": b"done"}
+    assert (await redis_client.hget(keys.hot_state(key_prefix, POOL, known.execution_id),
+                                    "state")) == b"leased"
+    [event] = await events(proto)
+    assert (event.type, event.execution_id, event.worker_id, event.at_ms, event.started_ms,
+            event.result) == ("completed", forgotten, "w", 2000, 1000, '{"ok":1}')
+    # Recovered once is known: a second send changes nothing.
+    assert await redis_client.fcall("hw_recover", 1, base, "w", *fields(forgotten)) == 0
+    with pytest.raises(aioredis.ResponseError, match="8 fields"):
+        await redis_client.fcall("hw_recover", 1, base, "w", forgotten, 1)
