@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import date, datetime, timedelta
@@ -58,7 +59,13 @@ from herdwick.storage.sql import q
 
 log = logs.get("herdwick.retention")
 
-LOCK_TIMEOUT_MS = 5_000  # a detach or drop waits this long for its table locks, then fails
+# A detach takes the parent tables' ACCESS EXCLUSIVE lock (Postgres cannot detach
+# CONCURRENTLY beside a default partition), and while it waits in the lock queue every
+# dispatch and event write queues behind it: so it waits briefly, and tries again a few
+# times in the pass, rather than stall the hot path for seconds.
+LOCK_TIMEOUT_MS = 200
+DETACH_TRIES = 10
+DETACH_RETRY_S = (0.5, 1.5)  # jittered pause between tries
 EXPORT_BATCH = 2_000  # lines fetched and compressed at a time
 REASON_MAX = 1_000
 
@@ -276,7 +283,7 @@ async def _retire(conn: asyncpg.Connection, target: Target, day: Day, now: datet
         if day.unfinished:
             raise _Kept(f"{day.unfinished} unfinished executions (queued, running or "
                         f"retry_wait) in {day.partition}: kept until they finish")
-        await _detach(conn, day, now, lock_timeout_ms)
+        await _detach_patiently(conn, day, now, lock_timeout_ms)
     await _signal(on_step, "detached", day)
     built = await _export(conn, target, day)
     manifest = Manifest(format=FORMAT, name=day.name, day=day.day,
@@ -299,6 +306,19 @@ async def _retire(conn: asyncpg.Connection, target: Target, day: Day, now: datet
     return Outcome(day=day.day, name=day.name, partition=day.partition, result="dropped",
                    executions=built.executions, attempts=built.attempts, url=url,
                    sha256=built.sha256)
+
+
+async def _detach_patiently(conn: asyncpg.Connection, day: Day, now: datetime,
+                            lock_timeout_ms: int) -> None:
+    for tries in range(1, DETACH_TRIES + 1):
+        try:
+            await _detach(conn, day, now, lock_timeout_ms)
+            return
+        except asyncpg.LockNotAvailableError:
+            if tries == DETACH_TRIES:
+                raise
+            log.info("retention_detach_busy", day=day.day, tries=tries)
+            await asyncio.sleep(random.uniform(*DETACH_RETRY_S))
 
 
 async def _detach(conn: asyncpg.Connection, day: Day, now: datetime,

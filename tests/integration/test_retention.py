@@ -339,6 +339,34 @@ async def test_a_drop_that_fails_is_recorded_and_the_rerun_finishes_it(db, db_ur
     assert row["dropped_at"] == T0 and row["error"] is None
 
 
+async def test_a_busy_table_makes_the_detach_wait_briefly_and_try_again(db, db_url, tmp_path,
+                                                                        monkeypatch) -> None:
+    """The detach's lock would queue every write to executions behind it: it gives up
+    after a short lock timeout, and tries again in the same pass once the table is free."""
+    monkeypatch.setattr(retention, "DETACH_RETRY_S", (0.2, 0.3))
+    url = str(tmp_path / "archive")
+    await seed(db, FIRST_DAY, 2)
+    reader = await asyncpg.connect(db_url)
+    reading = reader.transaction()
+    await reading.start()
+    await reader.execute("LOCK TABLE executions IN ACCESS SHARE MODE")  # a long read
+
+    async def finish_reading() -> None:
+        await asyncio.sleep(0.5)
+        await reading.rollback()
+
+    try:
+        release = asyncio.create_task(finish_reading())
+        report = await retention.run_pass(db, policy(url), T0, lock_timeout_ms=50)
+        await release
+    finally:
+        await reader.close()
+    assert [(o.day, o.result) for o in report.outcomes] == [(FIRST_DAY, "dropped"),
+                                                            (FIRST_DAY + timedelta(days=1),
+                                                             "dropped")]
+    assert len(await read_back(url, FIRST_DAY)) == len(TIMES)
+
+
 async def test_an_unwritable_target_drops_nothing_and_says_why(db, redis_client, key_prefix,
                                                                tmp_path, clock) -> None:
     blocker = tmp_path / "not-a-directory"
