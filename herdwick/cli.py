@@ -253,12 +253,23 @@ def _loadtest_parser(sub: argparse._SubParsersAction, logging_: argparse.Argumen
                     "processes; reports callbacks/s until every healthy job succeeded in "
                     "Postgres, due->arrival and due->lease lag, the attempts burned and "
                     "deferred on down targets, and CPU by process kind per 1,000 callbacks.")
+    soak = actions.add_parser(
+        "soak", parents=[logging_],
+        help="steady load with a herd every minute for --minutes: is RSS flat, is p99 flat",
+        description="A steady rate (--rate) with a herd (--herd) due at the top of each "
+                    "minute (--herd-every), for --minutes, through `herdwick scheduler` and "
+                    "`herdwick worker` processes (and `herdwick api` with --api); samples each "
+                    "process's RSS and CPU, the due->lease lag and the streams every "
+                    "--sample-every seconds; reports a row per minute and whether RSS and "
+                    "the steady jobs' p99 stayed flat. Exit 1 if either grew, or a job was "
+                    "lost or left unfinished.")
     if not flags:
         return
     from herdwick.loadtest.e2e import add_arguments as e2e_arguments
     from herdwick.loadtest.herd import add_arguments as herd_arguments
     from herdwick.loadtest.http import add_arguments as http_arguments
     from herdwick.loadtest.noisy import add_arguments as noisy_arguments
+    from herdwick.loadtest.soak import add_arguments as soak_arguments
     from herdwick.loadtest.submit import add_arguments as submit_arguments
 
     submit_arguments(submit)
@@ -266,6 +277,7 @@ def _loadtest_parser(sub: argparse._SubParsersAction, logging_: argparse.Argumen
     e2e_arguments(e2e)
     noisy_arguments(noisy)
     http_arguments(http)
+    soak_arguments(soak)
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -603,6 +615,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         from herdwick.loadtest import noisy as action
     elif args.loadtest_command == "http":
         from herdwick.loadtest import http as action
+    elif args.loadtest_command == "soak":
+        from herdwick.loadtest import soak as action
     else:
         from herdwick.loadtest import herd as action
     try:

@@ -162,7 +162,8 @@ def _lag_lines(series: Series, color: str) -> list[Line]:
 
 def render(*, command: str, command_line: str, settings: dict[str, Any], started_at: datetime,
            headline: Sequence[tuple[str, str]], text: str, figures: msgspec.Struct,
-           timeline: Timeline | None) -> str:
+           timeline: Timeline | None, extra_charts: Sequence[str] = ()) -> str:
+    """The page; `extra_charts` (line_chart SVGs) follow the throughput and lag plots."""
     esc = html.escape
     title = f"herdwick {command}"
     heads = "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in headline)
@@ -175,7 +176,7 @@ def render(*, command: str, command_line: str, settings: dict[str, Any], started
         f'<p class="when">run at {started_at:%Y-%m-%d %H:%M:%S} UTC</p>',
         "<h2>Command</h2>", f'<pre class="command">{esc(command_line)}</pre>', _table(settings),
         "<h2>Headline</h2>", f'<dl class="headline">{heads}</dl>',
-        "<h2>Over time</h2>", charts(timeline),
+        "<h2>Over time</h2>", charts(timeline), *extra_charts,
         "<h2>As printed</h2>", f"<pre>{esc(text)}</pre>",
         "<h2>Every figure</h2>", _cell(msgspec.to_builtins(figures)),
         "</body>", "</html>", ""])
@@ -197,7 +198,7 @@ def write(path: str, page: str) -> None:
 
 def write_report(args: argparse.Namespace, command: str, report: msgspec.Struct, text: str,
                  headline: Sequence[tuple[str, str]], timeline: Timeline | None,
-                 started_at: datetime) -> None:
+                 started_at: datetime, extra_charts: Sequence[str] = ()) -> None:
     """--report's page for a finished run, if the flag was given."""
     path = getattr(args, "report", None)
     if path is None:
@@ -205,4 +206,5 @@ def write_report(args: argparse.Namespace, command: str, report: msgspec.Struct,
     write(path, render(command=command, command_line=command_line(),
                        settings=settings_of(args),
                        started_at=started_at, headline=headline,
-                       text=text, figures=report, timeline=timeline))
+                       text=text, figures=report, timeline=timeline,
+                       extra_charts=extra_charts))
