@@ -53,11 +53,16 @@ from herdwick.loadtest.jobs import (
     tenant_counts,
 )
 from herdwick.loadtest.measure import (
+    KindsCpu,
+    KindsProbe,
     LeaseLag,
+    ProcessProbe,
     RedisMemory,
     StreamSampler,
     StreamSamples,
+    database_of,
     lease_lags_by_kind,
+    redis_pid,
 )
 from herdwick.loadtest.outcomes import History, Outcomes, drain, history_of, uuid7_floor
 from herdwick.loadtest.report import Progress, add_report_flags, memory_line
@@ -109,6 +114,11 @@ class Report(msgspec.Struct, kw_only=True):
     pg_transactions_per_execution: float
     redis_commands_per_execution: float
     history: History
+    # CPU seconds by kind of process (scheduler, worker, redis, postgres, harness) from just
+    # before the move (or the steady start) until drained, and per execution in us.
+    cpu: KindsCpu | None = None
+    cpu_us_per_execution: dict[str, float] = {}
+    peak_rss_mb: dict[str, float] = {}  # by kind: the largest one process reached (VmHWM)
     # Per second from the herd's due second (else the steady start): leases and their lag.
     timeline: Timeline | None = None
 
@@ -228,6 +238,11 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
                              metrics_port=None if port is None else port + plan.schedulers,
                              ) as workers:
         await leases_settled(db, procs, deadline)
+        kinds = {"scheduler": [p.pid for p in procs], "worker": [w.pid for w in workers]}
+        pid = await redis_pid(client)
+        probe = KindsProbe({**kinds, **({"redis": [pid]} if pid else {})}, database_of(dsn))
+        rss = {kind: ProcessProbe(pids) for kind, pids in kinds.items()}
+        start = probe.read()
         before = await server_counts(db, client)
         sampler = StreamSampler(client, prefix, [pool])
         await sampler.baseline()
@@ -245,6 +260,8 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
                      total=plan.jobs + round(plan.rate * plan.duration_s),
                      due_at=None if due is None else due.timestamp())
         await drain(outcomes, sampler, background, plan.rate, [*procs, *workers], deadline)
+        cpu = KindsProbe.between(start, probe.read())
+        peak_rss = {kind: round(max(p.high_water()) / 2**20, 1) for kind, p in rss.items()}
         await sampler.sample()  # the last one when all have succeeded: what is left behind
         spent = (await server_counts(db, client)).minus(before)
         lags = await lease_lags_by_kind(db, steady_from)
@@ -274,7 +291,9 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         streams=sampler.streams(), redis_memory=sampler.memory(),
         pg_transactions_per_execution=round(xacts / executions, 3),
         redis_commands_per_execution=round(commands / executions, 3),
-        history=history, timeline=timeline)
+        history=history, cpu=cpu, peak_rss_mb=peak_rss, timeline=timeline,
+        cpu_us_per_execution={kind: round(v * 1000, 1)
+                              for kind, v in cpu.per_1000(executions).items()})
 
 
 def _steady(plan: Plan, outcomes: Outcomes, background: Background, lag: LeaseLag) -> Steady:
@@ -292,6 +311,20 @@ def _lag_line(lag: dict[str, float]) -> str:
             f"max {lag['max']}")
 
 
+def _cpu_lines(r: Report) -> list[str]:
+    if r.cpu is None:
+        return []
+    c = r.cpu
+    per = "  ".join(f"{k} {v:g}" for k, v in r.cpu_us_per_execution.items())
+    total = round(sum(v for k, v in r.cpu_us_per_execution.items() if k != "harness"), 1)
+    rss = "  ".join(f"{k} {v:g}" for k, v in r.peak_rss_mb.items())
+    return [f"  CPU seconds over {c.window_s:.1f} s from the move until drained (machine "
+            f"{c.machine_busy_share:.0%} busy, {c.others_s:.2f} s of it not this run's): "
+            + "  ".join(f"{k} {s:.2f}" for k, s in c.seconds.items()),
+            f"    per execution, us: {per}; {total} us without the harness",
+            f"  peak RSS of one process, MB: {rss}"]
+
+
 def render_text(r: Report) -> str:
     lines = [f"herdwick loadtest e2e: {r.schedulers} scheduler, {r.workers} worker "
              f"process(es) with a no-op handler; {r.succeeded} executions succeeded"]
@@ -307,6 +340,7 @@ def render_text(r: Report) -> str:
                   f"{s.last_succeeded_after_last_due_s} s after the last due time",
                   _lag_line(s.lease_lag_ms)]
     st = r.streams
+    lines += _cpu_lines(r)
     lines += [
         f"  events stream length, sampled every {st.every_s:g} s ({st.samples} samples): "
         f"max {st.events_len_max}, last {st.events_len_last}",
@@ -351,6 +385,10 @@ def headline(r: Report) -> list[tuple[str, str]]:
     if (s := r.steady) is not None:
         found += [("steady: rate", f"{s.rate_per_s:g} jobs/s for {s.duration_s:g} s"),
                   ("steady: due -> lease p50 / p99 / max ms", _lags(s.lease_lag_ms))]
+    if r.cpu_us_per_execution:
+        found += [("CPU per execution, us (scheduler / worker / redis / postgres)",
+                   " / ".join(f"{r.cpu_us_per_execution.get(k, 0):g}"
+                              for k in ("scheduler", "worker", "redis", "postgres")))]
     return [*found, ("history", "sound" if r.history.sound else "GAPS")]
 
 

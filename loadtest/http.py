@@ -36,7 +36,6 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 import msgspec
-import psutil
 import redis.asyncio as aioredis
 from msgspec import Meta
 
@@ -81,7 +80,9 @@ from herdwick.loadtest.measure import (
     RedisMemory,
     StreamSampler,
     StreamSamples,
+    database_of,
     lag_of,
+    redis_pid,
 )
 from herdwick.loadtest.outcomes import History, Outcomes, drain, history_of, uuid7_floor
 from herdwick.loadtest.profiled import profile_path
@@ -328,21 +329,6 @@ async def secrets_published(client: aioredis.Redis, prefix: str, tenants: list[T
         await asyncio.sleep(SECRETS_POLL_S)
 
 
-async def redis_pid(client: aioredis.Redis) -> int | None:
-    """The Redis server's pid, for its CPU seconds; None unless it runs on this machine
-    (a loopback URL into a container, say, names a pid of another namespace)."""
-    pid = int((await client.info("server")).get("process_id", 0))
-    try:
-        name = psutil.Process(pid).name()
-    except psutil.Error:
-        return None
-    return pid if "redis" in name or "valkey" in name else None
-
-
-def _database_of(dsn: str) -> str:
-    return urllib.parse.urlsplit(dsn).path.lstrip("/")
-
-
 async def run(args: argparse.Namespace, progress: Progress) -> Report:
     plan = plan_from(args)
     require_loopback(args.database_url, "--database-url")
@@ -434,7 +420,7 @@ async def _drain(plan: Plan, db: Database, dsn: str,
     sampler = StreamSampler(client, prefix, [HTTP_POOL])
     await sampler.baseline()
     pid = await redis_pid(client)
-    probe = KindsProbe({**kinds, **({"redis": [pid]} if pid else {})}, _database_of(dsn))
+    probe = KindsProbe({**kinds, **({"redis": [pid]} if pid else {})}, database_of(dsn))
     started_s = time.time()
     steady_from = uuid7_floor(at_epoch(started_s))
     start = probe.read()

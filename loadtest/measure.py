@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
@@ -261,6 +262,22 @@ class KindsProbe:
         return KindsCpu(window_s=round(window, 3), seconds=seconds, runqueue_wait_s=waits,
                         machine_busy_share=round(busy_s / ((os.cpu_count() or 1) * window), 3),
                         others_s=round(busy_s - sum(seconds.values()), 2))
+
+
+async def redis_pid(client: aioredis.Redis) -> int | None:
+    """The Redis server's pid, for its CPU seconds; None unless it runs on this machine
+    (a loopback URL into a container, say, names a pid of another namespace)."""
+    pid = int((await client.info("server")).get("process_id", 0))
+    try:
+        name = psutil.Process(pid).name()
+    except psutil.Error:
+        return None
+    return pid if "redis" in name or "valkey" in name else None
+
+
+def database_of(dsn: str) -> str:
+    """The database a DSN names: whose Postgres backends a probe counts."""
+    return urllib.parse.urlsplit(dsn).path.lstrip("/")
 
 
 def _runqueue_wait_s(pid: int) -> float | None:

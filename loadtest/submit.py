@@ -43,7 +43,6 @@ import secrets
 import signal
 import sys
 import time
-import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -66,7 +65,7 @@ from herdwick.loadtest.driver import (
     scratch_database,
     scratch_name,
 )
-from herdwick.loadtest.measure import CpuProbe, Machine, machine_info
+from herdwick.loadtest.measure import CpuProbe, Machine, database_of, machine_info
 from herdwick.loadtest.report import Progress, add_report_flags
 from herdwick.loadtest.timeline import Second, Series, Timeline, per_second
 from herdwick.model import MAX_BATCH_JOBS, JobSpec, TenantSpec
@@ -688,10 +687,6 @@ def _say_cleanup(progress: Progress, head: str, cleanup: Cleanup) -> None:
 # --- setting up -------------------------------------------------------------------------
 
 
-def _database_of(dsn: str) -> str:
-    return urllib.parse.urlsplit(dsn).path.lstrip("/")
-
-
 # The tool's own statements on its scratch database: storage/ has no row counts.
 async def count_rows(db: Database, tenant_id: uuid.UUID) -> tuple[int, int]:
     async with db.connection() as conn:
@@ -712,7 +707,7 @@ async def _http_side(options: Options, db_url: str, api_key: str, bodies: list[d
                                  CpuProbe(postgres=False), progress, ledger)
     async with api_processes(options.api_processes, db_url, options.redis_url) as (url, pids):
         progress.say(f"api: {options.api_processes} process(es) at {url}, pids {list(pids)}")
-        probe = CpuProbe(pids, database=_database_of(db_url))
+        probe = CpuProbe(pids, database=database_of(db_url))
         return await http_phases(plan, HttpTarget(url, api_key), bodies, probe, progress)
 
 
@@ -750,7 +745,7 @@ async def run(options: Options, progress: Progress) -> Report:
                 phases = await _http_side(options, dsn, tenant.api_key, bodies, ledger,
                                           progress)
                 phases += await raw_phases(plan, db, tenant.tenant_id, bodies,
-                                           CpuProbe(database=_database_of(dsn)), progress)
+                                           CpuProbe(database=database_of(dsn)), progress)
             jobs, due = await count_rows(db, tenant.tenant_id)
         finally:
             await db.close()

@@ -38,6 +38,12 @@ async def test_a_tiny_herd_goes_through_real_workers(services) -> None:
     assert report.streams.samples > 0
     assert report.pg_transactions_per_execution > 0
     assert report.redis_commands_per_execution > 0
+    # CPU by kind of process, per execution, and each kind's peak RSS.
+    assert set(report.cpu.seconds) >= {"scheduler", "worker", "postgres", "harness"}
+    assert report.cpu_us_per_execution["worker"] > 0
+    assert report.cpu_us_per_execution["scheduler"] > 0
+    assert report.peak_rss_mb["scheduler"] > 10 and report.peak_rss_mb["worker"] > 10
+    assert "per execution, us:" in e2e.render_text(report)
 
 
 async def test_a_tiny_steady_rate_goes_through_real_workers(services) -> None:
