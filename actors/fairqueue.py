@@ -45,6 +45,11 @@ from herdwick.storage.tenants import TenantLimits
 log = logs.get("herdwick.fairqueue")
 
 ROUND_MAX = 5_000  # items a round asks room for: one dispatch transaction's worth
+# The first round after the queue ran dry asks for this few, and each round after it
+# twice as many while the backlog lasts: the earliest due work of a herd goes in a small
+# transaction that commits in milliseconds, not behind the largest one. (The dispatcher
+# gathers what arrives meanwhile, so the transactions after it are large all the same.)
+FIRST_ROUND = 64
 WAIT_S = 0.02  # after a round that found no room (or no tokens), look again this soon
 PUBLISH_RETRIES_S = (0.05, 0.2, 1.0, 2.0)
 ORDERS = ("fair", "fifo")
@@ -74,6 +79,7 @@ class FairQueue(Actor):
         self._revisions: dict[int, int] = {}  # shard -> latest revision handed over
         self._release = 0  # slots granted and not used: given back at the next hw_admit
         self._next_round = 0.0  # monotonic: no round before, after finding no room
+        self._round = FIRST_ROUND  # what the next round asks for at most
         self._blocked: dict[str, float] = {}  # tenant -> monotonic time its tokens refill
         # Shared with the scheduler for reporting: written here only, read by reporters.
         self.lag = lag
@@ -124,7 +130,7 @@ class FairQueue(Actor):
 
     async def run_once(self) -> int:
         """One round: ask for room, pick by policy and quota, send to a dispatcher."""
-        want = min(self._policy.backlog, ROUND_MAX)
+        want = min(self._policy.backlog, self._round)
         try:
             admission = await self._hot.admit(self.pool, want, self._cap, self._release)
         except StorageUnavailable as exc:
@@ -141,6 +147,7 @@ class FairQueue(Actor):
             self._send(picked, len(picked))
         if len(picked) < want:  # no room, or no tokens, for the rest yet
             self._next_round = time.monotonic() + WAIT_S
+        self._round = min(ROUND_MAX, self._round * 2) if self._policy.backlog else FIRST_ROUND
         return len(picked)
 
     async def _pick(self, budget: int) -> list[tuple[str, int]]:

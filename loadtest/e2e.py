@@ -307,8 +307,8 @@ def _steady(plan: Plan, outcomes: Outcomes, background: Background, lag: LeaseLa
 
 
 def _lag_line(lag: dict[str, float]) -> str:
-    return (f"    due -> lease lag ms: p50 {lag['p50']}  p95 {lag['p95']}  p99 {lag['p99']}  "
-            f"max {lag['max']}")
+    return (f"    due -> lease lag ms: first {lag.get('first', '-')}  p50 {lag['p50']}  "
+            f"p95 {lag['p95']}  p99 {lag['p99']}  max {lag['max']}")
 
 
 def _cpu_lines(r: Report) -> list[str]:

@@ -499,7 +499,8 @@ _LAG_MS = "extract(epoch FROM e.started_at - e.scheduled_for) * 1000"
 # that instant's ids), every steady job after it.
 _LAG_BY_KIND = f"""
 SELECT e.job_id >= $1 AS steady,
-       percentile_disc(ARRAY[0.5, 0.95, 0.99, 1.0]) WITHIN GROUP (ORDER BY {_LAG_MS}) AS lag_ms,
+       percentile_disc(ARRAY[0.0, 0.5, 0.95, 0.99, 1.0]) WITHIN GROUP (ORDER BY {_LAG_MS})
+           AS lag_ms,
        max(e.scheduled_for) AS last_due
 FROM executions e WHERE e.started_at IS NOT NULL GROUP BY 1"""
 _LAG_BY_TENANT = f"""
@@ -526,7 +527,7 @@ async def lease_lags_by_kind(db: Database, steady_from: uuid.UUID) -> dict[bool,
     """By kind: True for the steady jobs (ids from `steady_from` on), False for the herd."""
     async with db.connection() as conn:
         rows = await conn.fetch(_LAG_BY_KIND, steady_from)
-    return {row["steady"]: LeaseLag(ms=dict(zip(("p50", "p95", "p99", "max"),
+    return {row["steady"]: LeaseLag(ms=dict(zip(("first", "p50", "p95", "p99", "max"),
                                                 [round(float(v)) for v in row["lag_ms"]],
                                                 strict=True)),
                                     last_due=row["last_due"])

@@ -154,14 +154,16 @@ async def test_two_schedulers_share_one_tenant_s_rate_quota(
     key = await tenant(api, "limited", dispatchRate=50, burst=10)
     await submit_many(api, 1000, key=key)
     nodes = [await schedulers(node_id=f"node-{i}") for i in range(2)]
+    began = time.monotonic()  # the fair queues run on their own from the due moment on
     await advance(clock, 1, *nodes)
-    began = time.monotonic()
     published = 0
-    while (elapsed := time.monotonic() - began) < 3.0:
+    while time.monotonic() - began < 3.0:
         for node in nodes:
             await node.settle(rounds=1)
         published += len(await drain(redis_client, key_prefix, 1000))
         await asyncio.sleep(0.05)  # real time must pass for tokens to refill
+    # Until the last drain: on a busy machine the last pass ends well past the 3 s.
+    elapsed = time.monotonic() - began
     allowed = 10 + 50 * elapsed  # the burst, then the rate
     assert published == pytest.approx(allowed, rel=0.1)
     executions, due = await counts(db)
