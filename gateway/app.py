@@ -32,6 +32,17 @@ from herdwick.storage.protocol import Protocol
 log = logs.get("herdwick.gateway")
 
 DB_POOL_MAX = 20
+# aiohttp's keepalive timeout is also the only clock on a request's line and headers: it
+# starts when a connection opens (and again after each answer) and closes the connection
+# if no whole request head has arrived by then, however slowly bytes trickle in. Its
+# default is an hour; 75 s stays longer than the idle timeouts of the usual proxies in front
+# (nginx and AWS ALB: 60 s), so none of them reuses a connection just as it closes here.
+# The body has its own deadline (gateway/body.py BODY_READ_TIMEOUT_S).
+KEEPALIVE_TIMEOUT_S = 75.0
+# After an answer given before its body was read whole (413, 408, 401), aiohttp reads and
+# drops what the client still sends for this long, so that the client sees the answer
+# rather than a reset, then closes. Its default, 10 s, is ten seconds more of a slow client.
+LINGERING_TIME_S = 2.0
 
 
 def create_app(settings: Settings, *, clock: Clock | None = None, db: Database | None = None,
@@ -106,6 +117,13 @@ async def timing_middleware(request: web.Request, handler) -> web.StreamResponse
             time.perf_counter() - start)
 
 
+def app_runner(app: web.Application) -> web.AppRunner:
+    """The runner every gateway serves through (serve() here, `herdwick dev`), with the
+    slow-client timeout."""
+    return web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S,
+                         lingering_time=LINGERING_TIME_S)
+
+
 class PortInUse(HerdwickError):
     """The gateway's address is taken (by another herdwick, say)."""
 
@@ -117,8 +135,9 @@ async def serve(app: web.Application, host: str, port: int,
     reuse_port shares the port with other processes that ask for it too
     (SO_REUSEPORT: the kernel spreads connections over them); without it a
     busy port is PortInUse, so two servers never answer one port unawares.
+    A client that sends its request head slower than KEEPALIVE_TIMEOUT_S is cut off.
     """
-    runner = web.AppRunner(app, access_log=None)
+    runner = app_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
     try:

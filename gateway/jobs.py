@@ -16,7 +16,7 @@ from herdwick.gateway import params
 from herdwick.gateway.auth import tenant_of
 from herdwick.gateway.body import read_json_body
 from herdwick.gateway.context import Ctx
-from herdwick.gateway.decoding import decode, decode_collecting
+from herdwick.gateway.decoding import decode, decode_collecting, well_formed
 from herdwick.gateway.herd import HERD_PLACEHOLDER, herd_check, herd_warning
 from herdwick.gateway.params import json_response, path_uuid
 from herdwick.gateway.problems import bad_field, invalid
@@ -44,7 +44,10 @@ SINGLE_BODY_CAP = MAX_PAYLOAD_BYTES + 64 * 1024
 BATCH_BODY_CAP = 16 * 1024 * 1024
 
 _spec_decoder = msgspec.json.Decoder(JobSpec)
-_batch_decoder = msgspec.json.Decoder(dict[str, list[msgspec.Raw]])
+# The top level, then the jobs: an error in either names its field ("jobs", not msgspec's
+# "[...]" for a dict's value).
+_batch_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_items_decoder = msgspec.json.Decoder(list[msgspec.Raw])
 _encoder = msgspec.json.Encoder()
 
 
@@ -62,15 +65,21 @@ def _decode_batch(raw: bytes) -> list[JobSpec]:
     top = decode(_batch_decoder, raw)
     extra = sorted(set(top) - {"jobs"})
     if extra:
+        well_formed(raw)  # jobs' text is not read yet: a body that is not JSON is 400 first
         raise bad_field(extra[0], "unknown field")
     if "jobs" not in top:
         raise bad_field("jobs", "required")
-    items = top["jobs"]
+    items, errors = decode_collecting(_items_decoder, bytes(top["jobs"]), "jobs",
+                                      duplicates=False)
+    if errors:
+        raise invalid(errors)
     if not 1 <= len(items) <= MAX_BATCH_JOBS:
         raise bad_field("jobs", f"a batch holds 1 to {MAX_BATCH_JOBS} jobs, not {len(items)}")
     specs, errors = [], []
     for i, item in enumerate(items):
-        spec, errs = decode_collecting(_spec_decoder, bytes(item), f"jobs[{i}]")
+        # The whole body's keys were checked for duplicates by the decode above.
+        spec, errs = decode_collecting(_spec_decoder, bytes(item), f"jobs[{i}]",
+                                       duplicates=False)
         specs.append(spec)
         errors += errs
     if errors:

@@ -34,6 +34,7 @@ _STATUS_TEXT = {
     404: "Not found: no such id (or another tenant's), or the path is not one of ours",
     405: "Method not allowed: the id made the path another operation's (Allow lists its "
          "methods)",
+    408: "The body did not arrive in time (the connection closes)",
     409: "The state forbids this transition", 413: "Too large", 415: "Not JSON",
     422: "Invalid field (errors[].field names it)", 429: "Over quota (Retry-After)",
     503: "Storage unavailable (Retry-After); nothing written",
@@ -60,7 +61,7 @@ def _statuses(route: Route) -> list[int]:
     if route.auth == "admin":
         codes.add(403)
     if route.body is not None:
-        codes |= {400, 413, 415, 422}
+        codes |= {400, 408, 413, 415, 422}
     if _PARAM.search(route.path):
         # A malformed id cannot exist (404); one holding a ':' or '/' can turn the path into
         # another operation's, or into none (405, 404).
@@ -109,6 +110,10 @@ def _operation(route: Route, refs: dict[type, dict]) -> dict:
         answer: dict = {"description": _STATUS_TEXT.get(status, "OK")}
         if model is not None:
             answer["content"] = _json(refs[model])
+        if status == route.ok[0] and route.links:
+            answer["links"] = {link.name: {"operationId": link.handler.__name__,
+                                           "parameters": link.parameters}
+                               for link in route.links}
         op["responses"][str(status)] = answer
     for code in _statuses(route):
         answer = {"description": _STATUS_TEXT.get(code, "Error"),

@@ -30,11 +30,18 @@ class HttpProblem(Exception):
     """Raised by handlers for an error response; rendered by the middleware."""
 
     def __init__(self, status: int, slug: str, title: str, detail: str,
-                 errors: list[FieldError] | None = None, headers: dict[str, str] | None = None):
+                 errors: list[FieldError] | None = None, headers: dict[str, str] | None = None,
+                 close: bool = False):
         super().__init__(detail)
         self.problem = Problem(type=PROBLEM_BASE + slug, title=title, status=status,
                                detail=detail, errors=errors or [])
         self.headers = headers or {}
+        self.close = close  # close the connection after the answer (a body not read to its end)
+
+    def response(self, rendered: web.Response) -> web.Response:
+        if self.close:
+            rendered.force_close()
+        return rendered
 
 
 def bad_field(field: str, message: str, status: int = 422) -> HttpProblem:
@@ -111,7 +118,7 @@ async def problem_middleware(request: web.Request, handler) -> web.StreamRespons
     try:
         return await handler(request)
     except HttpProblem as exc:
-        return render(exc.problem, exc.headers)
+        return exc.response(render(exc.problem, exc.headers))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

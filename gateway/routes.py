@@ -40,6 +40,16 @@ class Query(NamedTuple):
     schema: dict
 
 
+class Link(NamedTuple):
+    """An OpenAPI link: what an answer hands to the next operation (a client's next call,
+    a stateful fuzzer's next step). parameters: the target's path parameter -> a runtime
+    expression ($response.body#/jobId, $request.path.jobId)."""
+
+    name: str
+    handler: Handler  # the target operation: its operationId is the handler's name
+    parameters: dict[str, str]
+
+
 class Route(NamedTuple):
     method: str
     path: str  # OpenAPI form: /v1/jobs/{jobId}:pause
@@ -56,6 +66,7 @@ class Route(NamedTuple):
     headers: tuple[Query, ...] = ()
     also: tuple[tuple[int, type], ...] = ()  # other answers that are not problems
     body_optional: bool = False  # an empty body is the body's defaults
+    links: tuple[Link, ...] = ()  # on the ok answer
 
 
 # The cursors each list issues. storage/jobs.py encode_cursor, for jobs and dead letters:
@@ -87,30 +98,61 @@ _IDEMPOTENCY = (Query("Idempotency-Key", "replays the original response for 24 h
                        "pattern": "^[ -~]*[!-~][ -~]*$"}),)
 _SUBMIT_ERRORS = (409, 429)  # 409: the Idempotency-Key is in use by a concurrent request
 
+
+def _job_links(job_id: str, *handlers: Handler) -> tuple[Link, ...]:
+    """Links from an answer naming a job (at the runtime expression job_id) to operations
+    on it; the link's name is the handler's, camel-cased (getJob, pauseJob)."""
+    def camel(name: str) -> str:
+        head, *rest = name.split("_")
+        return head + "".join(word.title() for word in rest)
+
+    return tuple(Link(camel(h.__name__), h, {"jobId": job_id}) for h in handlers)
+
+
+# What a job's id leads to, from any answer that names one. Cancel is among them: after it,
+# pause, resume and trigger answer 409, as the document says they may.
+_ON_A_JOB = (jobs.get_job, jobs.pause_job, jobs.resume_job, executions.trigger_job,
+             executions.job_executions, jobs.cancel_job)
+_JOB_LINKS = _job_links("$response.body#/jobId", *_ON_A_JOB)
+_TENANT_LINKS = (
+    Link("patchTenant", tenants.patch_tenant, {"tenantId": "$response.body#/tenantId"}),
+    Link("rotateSecret", tenants.rotate_secret, {"tenantId": "$response.body#/tenantId"}),
+)
+
 ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/jobs:batch", jobs.submit_batch, "Submit up to 1,000 jobs atomically",
-          "tenant", JobBatch, (201, BatchCreated), _SUBMIT_ERRORS, headers=_IDEMPOTENCY),
+          "tenant", JobBatch, (201, BatchCreated), _SUBMIT_ERRORS, headers=_IDEMPOTENCY,
+          links=_job_links("$response.body#/items/0/jobId", *_ON_A_JOB)),
     Route("POST", "/v1/jobs", jobs.submit, "Submit a job", "tenant", JobSpec, (201, JobCreated),
-          _SUBMIT_ERRORS, headers=_IDEMPOTENCY),
+          _SUBMIT_ERRORS, headers=_IDEMPOTENCY, links=_JOB_LINKS),
     Route("GET", "/v1/jobs", jobs.list_jobs, "List jobs, newest first", "tenant",
           ok=(200, JobPage), errors=(422,),
           query=(Query("state", "only jobs in this state", {"enum": list(JOB_STATES)}),
                  *_list_query(ID_CURSOR_PATTERN))),
     Route("POST", "/v1/jobs/{jobId}:pause", jobs.pause_job,
           "Pause a job: no new attempt of it starts until it is resumed", "tenant",
-          ok=(200, Job), errors=(409,)),
+          ok=(200, Job), errors=(409,), links=_JOB_LINKS),
     Route("POST", "/v1/jobs/{jobId}:resume", jobs.resume_job,
           "Resume a paused job (next run per its misfire policy; held retries go on)", "tenant",
-          ok=(200, Job), errors=(409,)),
-    Route("GET", "/v1/jobs/{jobId}", jobs.get_job, "Read a job", "tenant", ok=(200, Job)),
+          ok=(200, Job), errors=(409,), links=_JOB_LINKS),
+    Route("GET", "/v1/jobs/{jobId}", jobs.get_job, "Read a job", "tenant", ok=(200, Job),
+          links=_JOB_LINKS),
     Route("DELETE", "/v1/jobs/{jobId}", jobs.cancel_job, "Cancel a job (idempotent)", "tenant",
           ok=(204, None)),
     Route("POST", "/v1/jobs/{jobId}:trigger", executions.trigger_job,
           "Run a job once now, outside its schedule (a paused job stays paused)", "tenant",
-          ok=(202, Triggered), errors=(409,)),
+          ok=(202, Triggered), errors=(409,),
+          links=(Link("getExecution", executions.get_execution,
+                      {"executionId": "$response.body#/executionId"}),
+                 Link("retryExecution", executions.retry_execution,
+                      {"executionId": "$response.body#/executionId"}),
+                 *_job_links("$request.path.jobId", executions.job_executions,
+                             jobs.cancel_job))),
     Route("GET", "/v1/jobs/{jobId}/executions", executions.job_executions,
           "A job's executions, newest first", "tenant", ok=(200, ExecutionPage),
-          errors=(422,), query=_list_query(EXECUTION_CURSOR_PATTERN)),
+          errors=(422,), query=_list_query(EXECUTION_CURSOR_PATTERN),
+          links=(Link("getExecution", executions.get_execution,
+                      {"executionId": "$response.body#/items/0/executionId"}),)),
     Route("POST", "/v1/executions/{executionId}:retry", executions.retry_execution,
           "Replay a dead execution with its next attempt", "tenant", ok=(202, None),
           errors=(409,)),
@@ -120,12 +162,14 @@ ROUTES: tuple[Route, ...] = (
           "Dead executions, newest first", "tenant", ok=(200, ExecutionPage),
           errors=(422,), query=_list_query(ID_CURSOR_PATTERN)),
     Route("POST", "/v1/tenants", tenants.create_tenant, "Create a tenant", "admin", TenantSpec,
-          (201, TenantCreated)),
+          (201, TenantCreated), links=_TENANT_LINKS),
     Route("POST", "/v1/tenants/{tenantId}:rotate-secret", tenants.rotate_secret,
           "Rotate a tenant's signing secret, the old one signing too for an overlap",
-          "admin_or_tenant", SecretRotation, (200, SigningSecret), body_optional=True),
+          "admin_or_tenant", SecretRotation, (200, SigningSecret), body_optional=True,
+          links=(Link("patchTenant", tenants.patch_tenant,
+                      {"tenantId": "$request.path.tenantId"}),)),
     Route("PATCH", "/v1/tenants/{tenantId}", tenants.patch_tenant, "Update a tenant's limits",
-          "admin", TenantPatch, (200, Tenant)),
+          "admin", TenantPatch, (200, Tenant), links=_TENANT_LINKS),
     Route("GET", "/healthz", health.healthz, "Liveness", "none", ok=(200, health.Health)),
     Route("GET", "/readyz", health.readyz, "Readiness: Postgres and Redis answer", "none",
           ok=(200, health.Health), also=((503, health.Health),)),

@@ -29,7 +29,8 @@ from herdwick.model import (
 from herdwick.storage.jobs import NewJob
 
 HTTP_POOL = "http"
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# C0, DEL and C1 (Unicode Cc), as in names: a C1 control is no more a URL's than a C0 one.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 # What _http_ref_problems takes, as far as a pattern can say it (gateway/openapi.py publishes
 # it): an http(s) scheme in any case, no space or control character anywhere, an optional
@@ -60,10 +61,10 @@ def _ipv6_address() -> str:
 _PORT = "0*(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
 HTTP_REF_PATTERN = (
     "^[Hh][Tt][Tt][Pp][Ss]?://"
-    "(?:[^\\x00-\\x20\\x7f/?#@\\[\\]]*@)?"
-    f"(?:\\[{_ipv6_address()}\\]|[^\\x00-\\x20\\x7f/?#@:\\[\\]]+)"
+    "(?:[^\\x00-\\x20\\x7f-\\x9f/?#@\\[\\]]*@)?"
+    f"(?:\\[{_ipv6_address()}\\]|[^\\x00-\\x20\\x7f-\\x9f/?#@:\\[\\]]+)"
     f"(?::(?:{_PORT})?)?"
-    "(?:[/?#][^\\x00-\\x20\\x7f]*)?$"
+    "(?:[/?#][^\\x00-\\x20\\x7f-\\x9f]*)?$"
 )
 
 _encode_schedule = msgspec.json.Encoder().encode

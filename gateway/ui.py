@@ -25,6 +25,7 @@ from herdwick.errors import NotFound
 from herdwick.gateway import executions as execution_actions
 from herdwick.gateway import jobs as job_actions
 from herdwick.gateway import params, ui_session
+from herdwick.gateway.body import within_read_timeout
 from herdwick.gateway.context import CTX, Ctx
 from herdwick.gateway.problems import HttpProblem, bad_field, from_domain
 from herdwick.gateway.sparkline import sparkline
@@ -119,7 +120,7 @@ async def ui_middleware(request: web.Request, handler) -> web.StreamResponse:
         response = _error_page(request, exc.status, exc.title, exc.detail)
     except HttpProblem as exc:
         p = exc.problem
-        response = _error_page(request, p.status, p.title, p.detail)
+        response = exc.response(_error_page(request, p.status, p.title, p.detail))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -175,11 +176,21 @@ async def _tenant(request: web.Request, viewer: Viewer) -> dashboard.TenantName:
     return found[0]
 
 
-async def _form(request: web.Request, viewer: Viewer) -> dict[str, str]:
-    """A state-changing form's fields, once its CSRF token is checked (403 without)."""
+async def _posted(request: web.Request) -> dict[str, str]:
+    """A form's string fields, at most FORM_MAX_BYTES of them, read under the body deadline.
+
+    A request is made by the root app, with its client_max_size (the batch cap): this
+    sub-application's own does not bound post(), so the read takes the form's cap here.
+    """
     if request.content_length is not None and request.content_length > FORM_MAX_BYTES:
         raise UiError(413, "Form too large", "this form is larger than any of ours")
-    fields = {k: v for k, v in (await request.post()).items() if isinstance(v, str)}
+    form = await within_read_timeout(request.clone(client_max_size=FORM_MAX_BYTES).post())
+    return {k: v for k, v in form.items() if isinstance(v, str)}
+
+
+async def _form(request: web.Request, viewer: Viewer) -> dict[str, str]:
+    """A state-changing form's fields, once its CSRF token is checked (403 without)."""
+    fields = await _posted(request)
     if not ui_session.csrf_matches(viewer.csrf, fields.get(CSRF_FIELD)):
         raise UiError(403, "Refused", "the form's CSRF token is missing or wrong; "
                       "reload the page and try again")
@@ -200,7 +211,7 @@ async def login_form(request: web.Request) -> web.Response:
 
 
 async def login(request: web.Request) -> web.Response:
-    fields = await request.post()
+    fields = await _posted(request)
     expected = request.cookies.get(ui_session.LOGIN_COOKIE, "")
     if not expected or not ui_session.csrf_matches(expected, fields.get(CSRF_FIELD)):
         raise UiError(403, "Refused", "the login form's CSRF token is missing or wrong; "

@@ -137,7 +137,9 @@ async def _serve(app: web.Application, sockets: list[socket.socket], stop: async
     """Serve on the bound sockets until `stop`; the banner once they accept."""
     from aiohttp import web
 
-    runner = web.AppRunner(app, access_log=None)
+    from herdwick.gateway.app import app_runner
+
+    runner = app_runner(app)
     await runner.setup()
     try:
         for sock in sockets:

@@ -182,9 +182,15 @@ def parse_cron(expr: str, *, job_id: uuid.UUID | None = None) -> CronExpr:
     return _parse(expr, seed)
 
 
+# Fields are separated by spaces and tabs only, as /openapi.json's cron pattern says: str.split()
+# would also split on a newline, U+0085 or U+2028, and take a name holding them.
+_FIELD_SEPARATOR = re.compile(r"[ \t]+")
+
+
 @lru_cache(maxsize=8192)
 def _parse(expr: str, seed: bytes | None) -> CronExpr:
-    parts = _expand_macro(expr.strip()).split()
+    text = _expand_macro(expr.strip(" \t"))
+    parts = _FIELD_SEPARATOR.split(text) if text else []
     if len(parts) != 5:
         raise _cron_error(
             f"expected 5 fields (minute hour day-of-month month day-of-week), got {len(parts)}"
