@@ -157,19 +157,22 @@ class DispatchActor(Actor):
 
     async def handle(self, msg: object | None) -> None:
         batch = [msg, *self.drain_until_sync(10_000)]
-        for reject in [m for m in batch if isinstance(m, Reject)]:
-            await self.reject(reject.shard_id, reject.revision, reject.keys, reject.errors)
         dues = [m for m in batch if isinstance(m, Due)]
-        while dues:
-            taken, dues = _take(dues, MAX_BATCH_KEYS)
-            try:
+        try:
+            for reject in [m for m in batch if isinstance(m, Reject)]:
+                await self.reject(reject.shard_id, reject.revision, reject.keys,
+                                  reject.errors)
+            while dues:
+                taken, rest = _take(dues, MAX_BATCH_KEYS)
                 await self.run_once(taken)
-            except BaseException:
-                # Nothing committed: the fair queues settle the work (its rows stay due,
-                # and their shards load them again) and give back its stream slots.
-                for pool, pool_dues in _by_pool(taken).items():
-                    await self._publish(pool, Publish([], [], pool_dues))
-                raise
+                dues = rest
+        except BaseException:
+            # None of `dues` committed (the batch in hand and all drained behind it): the
+            # fair queues settle that work (its rows stay due, and their shards load
+            # them again) and give back its stream slots. Settling is idempotent.
+            for pool, pool_dues in _by_pool(dues).items():
+                await self._publish(pool, Publish([], [], pool_dues))
+            raise
 
     async def run_once(self, dues: list[Due]) -> store.Dispatched:
         revisions: dict[int, int] = {}

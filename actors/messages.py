@@ -48,10 +48,16 @@ class Handed:
     fair queues, read by the shard: one event loop, so no lock.
     """
 
-    __slots__ = ("remaining",)
+    __slots__ = ("remaining", "since")
 
-    def __init__(self, remaining: int) -> None:
+    def __init__(self, remaining: int, since_us: int = 0) -> None:
         self.remaining = remaining
+        self.since = since_us  # when it was handed over, by the shard's clock
+
+    def pending(self, now_us: int, ttl_s: float) -> bool:
+        """Items left, and handed over less than ttl_s ago: past that, the shard may hand
+        them again (a lost hand-over must not hold its rows back for good)."""
+        return self.remaining > 0 and now_us - self.since < ttl_s * 1e6
 
 
 class Ready(msgspec.Struct, frozen=True):

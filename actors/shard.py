@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
@@ -45,6 +44,11 @@ MAX_POP = 5_000  # entries per pass: bounds one hand-over
 # second took the scheduler 4 s to hand over); a few ms of lag buys batches.
 POP_GATHER_S = 0.02
 RECENT_TTL_S = 3 * LOAD_INTERVAL_S
+# Work handed to the fair queue and not settled after this long is loaded and handed
+# again: a hand-over lost on the way (a dispatch that died with its batch) would else
+# hold its rows back until the shard moved. Handing twice is harmless: the fair queue
+# drops what it holds already, and a dispatch claims each due row once.
+HANDED_TTL_S = 10.0
 _JOB_BITS = 128
 _CLASS_BITS = 32
 _JOB_MASK = (1 << _JOB_BITS) - 1
@@ -77,7 +81,7 @@ class ShardActor(Actor):
         self._members: set[int] = set()  # what is in the heap, for dedup on reload
         self._classes: list[tuple[str, str]] = []  # class -> (tenant id, pool)
         self._class_of: dict[tuple[str, str], int] = {}
-        self._recent: dict[int, float] = {}  # popped entries -> monotonic pop time
+        self._recent: dict[int, int] = {}  # popped entries -> pop time (us, the clock's)
         self._next_load_us = 0
         self._next_pop_us = 0  # idle wakes for due entries no sooner than this
         self._load_due_since_us: int | None = None  # a load is due but deferred since then
@@ -117,7 +121,7 @@ class ShardActor(Actor):
         await self.dispatch_due(now)
 
     def _defer_load(self, now_us: int) -> bool:
-        self._unsettled = [h for h in self._unsettled if h.remaining > 0]
+        self._unsettled = [h for h in self._unsettled if h.pending(now_us, HANDED_TTL_S)]
         if not self._unsettled:
             self._load_due_since_us = None
             return False
@@ -135,8 +139,10 @@ class ShardActor(Actor):
     async def load(self, now: datetime) -> int:
         """One range scan into the heap; returns how many entries it added."""
         rows = await store.load_due(self._db, self.shard_id, now + timedelta(seconds=LOOKAHEAD_S))
-        self._forget_old_recent()
-        self._handed = {v: h for v, h in self._handed.items() if h.remaining > 0}
+        self._forget_old_recent(now)
+        now_us = to_us(now)
+        self._handed = {v: h for v, h in self._handed.items()
+                        if h.pending(now_us, HANDED_TTL_S)}
         added = 0
         bad: list[DueRow] = []
         for row in rows:
@@ -174,7 +180,7 @@ class ShardActor(Actor):
         now_us = to_us(now)
         by_pool: dict[str, list[tuple[str, int]]] = {}
         popped = 0
-        stamp = time.monotonic()
+        stamp = now_us
         while self.heap and entry_due_us(self.heap[0]) <= now_us and popped < limit:
             value = heapq.heappop(self.heap)
             self._members.discard(value)
@@ -189,14 +195,14 @@ class ShardActor(Actor):
         while by_pool := self.pop_due(now):
             self._next_pop_us = to_us(now) + int(POP_GATHER_S * 1e6)
             for pool, popped in by_pool.items():
-                handed = Handed(len(popped))
+                handed = Handed(len(popped), to_us(now))
                 self._unsettled.append(handed)
                 for _, _, value in popped:
                     self._handed[value] = handed
                 items = [(tenant, work) for tenant, work, _ in popped]
                 await self._hand(pool, Ready(self.shard_id, self.revision, items, handed))
 
-    def _forget_old_recent(self) -> None:
-        cutoff = time.monotonic() - RECENT_TTL_S
+    def _forget_old_recent(self, now: datetime) -> None:
+        cutoff = to_us(now) - RECENT_TTL_S * 1e6
         for value in [v for v, t in self._recent.items() if t < cutoff]:
             del self._recent[value]

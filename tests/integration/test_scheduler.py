@@ -255,3 +255,60 @@ async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
     clock.advance(MAX_DEFER_S)  # a batch that never settles defers loads only so long
     await shard.handle(Tick())
     assert len(shard.heap) == 1
+
+
+async def test_work_whose_hand_over_was_lost_is_handed_again(api, clock, db) -> None:
+    """A hand-over that never settles (a dispatch that died with its batch) holds its rows
+    back for HANDED_TTL_S, not for good: then the shard loads and hands them again."""
+    from herdwick.actors.base import Tick
+    from herdwick.actors.shard import HANDED_TTL_S, LOAD_INTERVAL_S, ShardActor
+
+    job = await submit(api, schedule={"delaySeconds": 1})
+    async with db.connection() as conn:
+        await conn.execute("UPDATE due_index SET shard_id = 7 WHERE job_id = $1",
+                           uuid.UUID(job["jobId"]))
+    queues = _HeldQueues()
+    shard = ShardActor(7, 1, db=db, hand=queues.hand, reject=None, clock=clock)
+    await shard.load(clock.now())
+    clock.advance(1)
+    await shard.handle(Tick())
+    assert len(queues.readies) == 1  # handed over, and lost on the way: never settled
+    clock.advance(LOAD_INTERVAL_S)
+    await shard.handle(Tick())
+    assert len(queues.readies) == 1  # its row is still due, but held back
+    clock.advance(HANDED_TTL_S)
+    await shard.handle(Tick())
+    assert len(queues.readies) == 2
+    again = queues.readies[1].items
+    assert [work for _, work in again] == [work for _, work in queues.readies[0].items]
+
+
+async def test_a_dispatch_that_fails_settles_every_batch_it_had_drained(
+        db_url, clock, monkeypatch) -> None:
+    """Postgres goes away mid-batch: the work in hand and all that was drained behind it
+    goes back to its fair queues, none of it left unsettled."""
+    from herdwick.actors import dispatcher as dispatching
+    from herdwick.actors.messages import Due
+    from herdwick.storage.db import Database
+    from herdwick.storage.dispatch import DueKey
+
+    monkeypatch.setattr(dispatching, "MAX_BATCH_KEYS", 1)  # each Due its own transaction
+    gone = await Database.connect(db_url)
+    await gone.close()  # every call now fails as an unreachable Postgres does
+    settled: list = []
+
+    async def publish(pool: str, publish) -> None:
+        settled.extend(publish.dues)
+
+    async def lease_lost(lost) -> None:
+        raise AssertionError("nothing was fenced")
+
+    actor = dispatching.DispatchActor(db=gone, node_id="n", clock=clock, publish=publish,
+                                      lease_lost=lease_lost)
+    dues = [Due("emails", {7: 1}, [DueKey(7, clock.now(), uuid.uuid4())], [i], 1)
+            for i in range(3)]
+    for due in dues[1:]:
+        actor.try_send(due)  # what waits in the mailbox behind the first
+    with pytest.raises(Exception):  # noqa: B017 - whatever the driver raises, it goes on up
+        await actor.handle(dues[0])
+    assert sorted(d.items[0] for d in settled) == [0, 1, 2]
