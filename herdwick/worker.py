@@ -59,12 +59,14 @@ MAX_PIPELINE = 1000  # calls per pipeline: bounds one round trip, and the server
 REPORT_ATTEMPTS = 3  # complete/fail are fenced, so resending one is safe
 REPORT_RETRY_S = 0.2
 SETTLE_S = 5.0  # how long a cancelled handler may take to unwind before it is abandoned
-# Completions are kept this long (at most EVIDENCE_MAX of them) to be sent again if Redis
-# comes back empty before their events reached Postgres: far past the events' usual lag.
-EVIDENCE_S = 60.0
-EVIDENCE_MAX = 100_000
+# Completions are kept this long (at most EVIDENCE_MAX of them, about 0.7 KB each) to be
+# sent again if Redis comes back empty before their events reached Postgres: well past
+# the events' usual lag of under a second (a few seconds in a herd).
+EVIDENCE_S = 30.0
+EVIDENCE_MAX = 20_000
 EPOCH_POLL_S = 1.0  # how often a worker looks whether Redis lost its data (the epoch key)
 RECOVER_CHUNK = 500  # completions per hw_recover call
+GIVE_UP_LEASE_S = "0.001"  # the renewal a worker that stepped down sends: ends the lease
 
 REDIS_URL_ENV = "HERDWICK_REDIS_URL"
 KEY_PREFIX_ENV = "HERDWICK_KEY_PREFIX"
@@ -328,6 +330,12 @@ class _Calls:
         self.pipeline.submit("XACK", self.ready, keys.WORKERS_GROUP,
                              *message_ids).add_done_callback(_retrieve)
 
+    def give_up(self, execution_id: str, attempt: int) -> None:
+        """A heartbeat of a millisecond, fire and forget: what a worker that stepped down
+        says, so that Redis records the stall or lets the lease go at once."""
+        self.pipeline.submit("FCALL", "hw_heartbeat", 1, self.base, execution_id, attempt,
+                             self.worker_id, GIVE_UP_LEASE_S).add_done_callback(_retrieve)
+
     def heartbeat(self, execution_id: str, attempt: int) -> asyncio.Future:
         """-> lease_until_ms, or LEASE_LOST (see _until)."""
         return self.pipeline.submit("FCALL", "hw_heartbeat", 1, self.base, execution_id, attempt,
@@ -423,6 +431,10 @@ class _Lease:
             self._lose()
         elif self._loop.time() >= self.deadline:
             log.warning("lease_lapsed", **self._message.ids())
+            # Tell Redis too (a renewal of a millisecond): a lease that lapsed there is
+            # refused and recorded as a possible duplicate (this handler may have acted
+            # before it stalled); one still live there ends now, for the reaper.
+            self._calls.give_up(self._message.execution_id, self._message.attempt)
             self._lose()
         else:
             sent_at = self._loop.time()

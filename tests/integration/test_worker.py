@@ -327,6 +327,33 @@ async def test_lease_lost_cancels_the_handler_and_reports_nothing(pool: Pool) ->
     assert [e["type"] for e in await pool.events()] == ["leased", "canceled"]
 
 
+async def test_a_worker_that_stalled_past_its_lease_says_so_to_redis(pool: Pool) -> None:
+    """The 40-second GC pause, in small: the loop is frozen past the lease. Woken, the
+    worker steps down, and its last word is refused and recorded as a possible duplicate
+    (the handler may have acted before the stall, and the attempt will run again)."""
+    import time
+
+    worker = pool.worker(lease_s=0.6)
+    cancelled = asyncio.Event()
+
+    @worker.handler
+    async def handle(ctx: herdwick.Context) -> None:
+        time.sleep(0.9)  # noqa: ASYNC251 - the point: nothing runs, not even the heartbeats
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    execution = make_execution()
+    await pool.publish(execution)
+    async with running(worker):
+        await asyncio.wait_for(cancelled.wait(), WAIT_S)
+        stale = await pool.next_event("stale", execution.execution_id)
+    assert (stale["call"], stale["attempt"], stale["worker_id"]) == (
+        "heartbeat", "1", worker.worker_id)
+
+
 async def test_heartbeat_raises_lease_lost_to_the_handler(pool: Pool) -> None:
     worker = pool.worker()  # 30 s lease: no automatic heartbeat during the test
     extended, go, outcome = asyncio.Event(), asyncio.Event(), asyncio.Future()
