@@ -43,7 +43,10 @@ FIRST_DENSITY = 100.0  # events an entry, until a read tells
 # A batch commits as this many transactions at once, an execution's events always in
 # the same one (by id): one transaction is one Postgres backend, i.e. at most one core.
 LANES = 2
-STALE_MS = 30_000  # a consumer that has not acked for this long is taken to be dead
+# A consumer that has not acked for this long is taken to be dead, and its events are
+# applied by another node (harmless if it was only slow: every write is fenced). A killed
+# scheduler's executions so wait this long, not the 30 s this was, to show their outcomes.
+STALE_MS = 10_000
 IDLE_POLL_S = 0.05  # after an empty pass; a busy stream is read back to back
 _schedule_decoder = msgspec.json.Decoder(Schedule)
 _encode = msgspec.json.Encoder().encode
@@ -142,9 +145,12 @@ def _fold_update(update: ExecutionUpdate, event: Event, state: str, error: str |
         update.error = error
         update.retry_at = _at(event.retry_at_ms)
     else:
-        # An outcome says when its attempt started: its `leased` event may be applied
-        # later, or by another node, and an execution must not end without a start.
+        # An outcome says when its attempt started and who held it: its `leased` event
+        # may be applied later, or by another node, and an execution must not end
+        # without a start or name another attempt's worker.
         update.started_ms = update.started_ms or event.started_ms
+        if event.worker_id and event.type != "canceled":
+            update.lease_owner = event.worker_id
         update.finished_ms = event.at_ms
         if event.type == "completed":
             update.result = _jsonb(event.result)

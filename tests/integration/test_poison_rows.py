@@ -11,6 +11,7 @@ import json
 import uuid
 from datetime import timedelta
 
+from herdwick.actors.sweeper import RECOVERY_GRACE_S
 from herdwick.storage import keys
 from herdwick.storage.protocol import Protocol
 from tests.conftest import T0
@@ -123,6 +124,8 @@ async def test_the_sweeper_records_what_it_cannot_republish_and_sweeps_the_rest(
     # The hot tier lost both (this test's keys only: the server is shared).
     await redis_client.delete(*[k async for k in redis_client.scan_iter(f"{key_prefix}:*")])
     clock.advance(60)
+    assert await node.sweeper.run_once() == 0  # the loss seen: the workers' turn first
+    clock.advance(RECOVERY_GRACE_S)
     await node.sweeper.run_once()
     await node.settle()  # the pool queue publishes what the sweeper handed it
 
@@ -178,8 +181,10 @@ async def test_a_scheduler_starts_though_its_sweeper_meets_a_bad_row_first(
             "state, queued_at) VALUES ($1, $2, $3, '-infinity', 1, 'queued', $4)",
             execution_id, uuid.UUID(job["jobId"]), uuid.UUID(api.tenant_id),
             T0 - timedelta(hours=1))
-    node = await schedulers()  # the sweeper's first pass runs in its start
+    node = await schedulers()  # the sweeper's first pass runs in its start: a new epoch
     assert node.sweeper is not None
+    clock.advance(RECOVERY_GRACE_S)  # the workers' turn to recover, then the sweep
+    await node.sweeper.run_once()
     async with db.connection() as conn:
         assert await conn.fetchval("SELECT state FROM executions WHERE execution_id = $1",
                                    execution_id) == "dead"
