@@ -82,7 +82,7 @@ def test_every_loadtest_option_has_help() -> None:
     parser = _parser(loadtest_flags=True)
     loadtest = next(a for a in parser._actions if a.dest == "command").choices["loadtest"]
     actions = next(a for a in loadtest._actions if a.dest == "loadtest_command").choices
-    assert set(actions) == {"submit", "herd", "e2e", "noisy-neighbour", "http"}
+    assert set(actions) == {"submit", "herd", "e2e", "noisy-neighbour", "http", "soak"}
     for name, action in actions.items():
         undocumented = [a.option_strings for a in action._actions if not a.help]
         assert undocumented == [], name

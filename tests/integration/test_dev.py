@@ -105,7 +105,12 @@ class Dev:
 
     async def stop(self, sig: int = signal.SIGTERM, within_s: float = STOP_BOUND_S) -> int:
         self.proc.send_signal(sig)
-        return await self.exit_code(within_s)
+        try:
+            return await self.exit_code(within_s)
+        except TimeoutError:
+            tail = "\n".join(self.stderr[-30:])
+            raise AssertionError(f"dev did not stop within {within_s} s; its log:\n{tail}") \
+                from None
 
     async def wait_for_stderr(self, pattern: str, count: int = 1) -> None:
         async with asyncio.timeout(WAIT_S), self._new_stderr:
