@@ -373,18 +373,21 @@ async def _signal(on_step: Step | None, step: str, day: Day) -> None:
 
 
 async def _kept(conn: asyncpg.Connection, day: Day, reason: str, now: datetime) -> Outcome:
-    await conn.execute(q("retention_claim"), day.name, day.day)
-    await conn.execute(q("retention_failed"), day.name, reason[:REASON_MAX], now)
     log.info("retention_day_kept", day=day.day, archive=day.name, reason=reason)
-    return Outcome(day=day.day, name=day.name, partition=day.partition, result="kept",
-                   executions=day.executions, reason=reason)
+    return await _not_dropped(conn, day, reason, now, "kept")
 
 
 async def _failed(conn: asyncpg.Connection, day: Day, reason: str, now: datetime) -> Outcome:
+    log.warning("retention_day_failed", day=day.day, archive=day.name, error=reason)
+    return await _not_dropped(conn, day, reason, now, "failed")
+
+
+async def _not_dropped(conn: asyncpg.Connection, day: Day, reason: str, now: datetime,
+                       result: Result) -> Outcome:
+    """A day this pass leaves: why, on its record."""
     await conn.execute(q("retention_claim"), day.name, day.day)
     await conn.execute(q("retention_failed"), day.name, reason[:REASON_MAX], now)
-    log.warning("retention_day_failed", day=day.day, archive=day.name, error=reason)
-    return Outcome(day=day.day, name=day.name, partition=day.partition, result="failed",
+    return Outcome(day=day.day, name=day.name, partition=day.partition, result=result,
                    executions=day.executions, reason=reason)
 
 
