@@ -12,13 +12,22 @@ actors send it `Reject`s: rows they could not load.
 A batch may span shards: fencing stays per shard (each lease row is
 checked), but one transaction per batch instead of per shard is what lets
 one process dispatch a herd at tens of thousands a second.
+
+A transaction that fails may still have committed: the connection can die
+after Postgres took the COMMIT and before its answer arrived. Its rows then
+are gone from due_index, so no shard dispatches them again, and its
+executions wait queued, published by no one (the sweeper would find them
+only after its 10 s grace). So the jobs of a batch that failed are kept in
+doubt, and once Postgres answers again their executions queued since are
+published as they are: hw_publish adds an attempt Redis already has only
+once, so whatever had been published is not published twice.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import msgspec
 
@@ -31,6 +40,7 @@ from herdwick.errors import Rejected, row_error
 from herdwick.ids import uuid7
 from herdwick.model import Schedule
 from herdwick.storage import dispatch as store
+from herdwick.storage import sweep
 from herdwick.storage.db import Database
 from herdwick.storage.dispatch import (
     Claimed,
@@ -46,6 +56,10 @@ from herdwick.storage.hot import ReadyExecution
 log = logs.get("herdwick.dispatch")
 
 MAX_BATCH_KEYS = 5_000
+IN_DOUBT_RETRY_S = 0.5  # how often, with nothing else to do, it asks Postgres again
+# Executions queued this long before a failure are not its: room for clocks (queued_at is
+# Postgres's in production) and for a transaction that waited on locks.
+IN_DOUBT_MARGIN_S = 30.0
 _schedule_decoder = msgspec.json.Decoder(Schedule)
 
 
@@ -61,6 +75,10 @@ def plan(claimed: list[Claimed], now: datetime) -> Plan:
       at most 100), and with overlap allow/replace its next occurrence goes
       into the due index now (forbid waits for completion); with replace it
       also cancels the job's still-unfinished earlier occurrences.
+    A dry run (the job's flag or its tenant's) records each occurrence it would
+    have queued as a dry_run execution instead, publishes nothing, and goes on at
+    once to the next occurrence (there is nothing to overlap with, so forbid and
+    replace act as allow).
     New occurrences of jobs no longer active dispatch nothing. A row that cannot
     be planned (its stored schedule no longer evaluates, say) goes to `failed`
     with the reason, and the rest are planned as if it were not there.
@@ -88,9 +106,13 @@ def _plan_row(out: Plan, row: Claimed, now: datetime) -> None:
     if schedule.cron is None:
         # jobs.next_run_at keeps the due time until the execution ends
         # (complete_one_offs clears it): no jobs UPDATE on the herd's path.
-        out.executions.append(_execution(row, row.next_run_at, "queued", now))
+        out.executions.append(_execution(row, row.next_run_at, _run_state(row), now))
         return
     _plan_cron(out, row, schedule, now)
+
+
+def _run_state(row: Claimed) -> str:
+    return "dry_run" if row.dry_run else "queued"
 
 
 def _execution(row: Claimed, when: datetime, state: str, now: datetime) -> NewExecution:
@@ -107,12 +129,12 @@ def _plan_cron(out: Plan, row: Claimed, schedule: Schedule, now: datetime) -> No
             to_run = [row.next_run_at]
     following = sched.next_fire_times(schedule, max(now, to_run[-1]), 1, job_id=row.job_id)
     nxt = following[0] if following else None
-    out.executions += [_execution(row, t, "queued", now) for t in to_run]
+    out.executions += [_execution(row, t, _run_state(row), now) for t in to_run]
     out.executions += [_execution(row, t, "skipped", now) for t in skipped]
-    if schedule.overlap == "replace":
+    if schedule.overlap == "replace" and not row.dry_run:
         out.replace.append((row.job_id, to_run[-1]))
     out.job_next.append((row.job_id, nxt))
-    if nxt is not None and schedule.overlap != "forbid":
+    if nxt is not None and (schedule.overlap != "forbid" or row.dry_run):
         out.next_due.append(NextDue(row.shard_id, nxt, row.job_id))
 
 
@@ -154,25 +176,58 @@ class DispatchActor(Actor):
         self._db_now = db_now
         self.dispatched = 0
         self.failed = 0  # due rows recorded as failed: read by tests and reports
+        # Jobs of batches whose transaction failed, and when: this one instance is run
+        # again after a crash (the scheduler's factory hands it back), so they outlive it.
+        self._in_doubt: list[tuple[datetime, list[uuid.UUID]]] = []
+        self.resolved = 0  # executions published after their commit was in doubt
+
+    def idle_timeout(self) -> float | None:
+        return IN_DOUBT_RETRY_S if self._in_doubt else None
+
+    async def on_start(self) -> None:
+        await self._resolve_in_doubt()
 
     async def handle(self, msg: object | None) -> None:
-        batch = [msg, *self.drain_until_sync(10_000)]
+        batch = [] if msg is None else [msg, *self.drain_until_sync(10_000)]
         dues = [m for m in batch if isinstance(m, Due)]
+        taken: list[Due] = []
         try:
+            await self._resolve_in_doubt()  # first: a failure here settles `dues` too
             for reject in [m for m in batch if isinstance(m, Reject)]:
                 await self.reject(reject.shard_id, reject.revision, reject.keys,
                                   reject.errors)
             while dues:
                 taken, rest = _take(dues, MAX_BATCH_KEYS)
                 await self.run_once(taken)
-                dues = rest
+                dues, taken = rest, []
         except BaseException:
-            # None of `dues` committed (the batch in hand and all drained behind it): the
-            # fair queues settle that work (its rows stay due, and their shards load
-            # them again) and give back its stream slots. Settling is idempotent.
+            # The batch in hand may have committed (see the module docstring); none of
+            # the Dues drained behind it did. The fair queues settle them all (rows that
+            # stayed due are loaded again by their shards) and give back their stream
+            # slots. Settling is idempotent.
+            if taken:
+                self._in_doubt.append((self.clock.now(),
+                                       sorted({k.job_id for d in taken for k in d.keys})))
             for pool, pool_dues in _by_pool(dues).items():
                 await self._publish(pool, Publish([], [], pool_dues))
             raise
+
+    async def _resolve_in_doubt(self) -> None:
+        """Publish what the batches in doubt committed; raises while Postgres is away."""
+        if not self._in_doubt:
+            return
+        since = min(at for at, _ in self._in_doubt) - timedelta(seconds=IN_DOUBT_MARGIN_S)
+        job_ids = sorted({j for _, ids in self._in_doubt for j in ids})
+        rows = await sweep.queued_of_jobs(self._db, job_ids, since)
+        self._in_doubt = []
+        by_pool: dict[str, list[sweep.Unfinished]] = {}
+        for row in rows:
+            by_pool.setdefault(row.pool, []).append(row)
+        for pool, items in sorted(by_pool.items()):
+            await self._publish(pool, Publish([sweep.ready(r, r.attempt) for r in items],
+                                              [to_us(r.scheduled_for) for r in items]))
+        self.resolved += len(rows)
+        log.warning("dispatch_in_doubt_resolved", jobs=len(job_ids), published=len(rows))
 
     async def run_once(self, dues: list[Due]) -> store.Dispatched:
         revisions: dict[int, int] = {}

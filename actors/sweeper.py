@@ -18,7 +18,6 @@ import uuid
 from datetime import datetime, timedelta
 
 from herdwick import logs
-from herdwick import schedule as sched
 from herdwick.actors.base import Actor, Tick
 from herdwick.actors.executions import GROUP as EVENTS_GROUP
 from herdwick.actors.messages import Publish
@@ -26,12 +25,15 @@ from herdwick.clock import Clock, to_us
 from herdwick.errors import StorageUnavailable, row_error
 from herdwick.storage import sweep as store
 from herdwick.storage.db import Database
-from herdwick.storage.hot import HotTier, ReadyExecution
+from herdwick.storage.hot import HotTier
 
 log = logs.get("herdwick.sweeper")
 
 INTERVAL_S = 10.0
-GRACE_S = 30.0  # a fresh execution may be between commit and publish this long
+# A fresh execution may be between commit and publish this long (milliseconds, normally;
+# seconds on a stalled link). Sweeping one too soon only costs it an attempt number:
+# hw_publish drops the late attempt. Too late, and a dead scheduler's last dispatch waits.
+GRACE_S = 10.0
 SWEEP_BATCH = 5_000
 # Redis keeps a finished execution's hot state 60 s (lua/herdwick.lua TERMINAL_TTL_MS):
 # rows are judged only when their pool's events are applied up to well inside that.
@@ -125,7 +127,7 @@ class Sweeper(Actor):
                 by_pool.setdefault(row.pool, []).append((row, bumped[row.execution_id]))
         for pool, items in by_pool.items():
             await self._publish(pool, Publish(
-                [_ready(row, attempt) for row, attempt in items],
+                [store.ready(row, attempt) for row, attempt in items],
                 [to_us(row.scheduled_for) for row, _ in items]))
         count = sum(len(v) for v in by_pool.values())
         log.warning("executions_republished", count=count, everything=everything)
@@ -164,10 +166,3 @@ class Sweeper(Actor):
                          None if self._db_now else now)
         return [r for r in rows if r.scheduled_for.tzinfo is not None]
 
-
-def _ready(row: store.Unfinished, attempt: int) -> ReadyExecution:
-    return ReadyExecution(
-        execution_id=str(row.execution_id), attempt=attempt, job_id=str(row.job_id),
-        tenant_id=str(row.tenant_id), scheduled_for=sched.format_utc(row.scheduled_for),
-        payload=row.payload, timeout_seconds=row.timeout_s, max_attempts=row.max_attempts,
-        backoff_ms=round(row.backoff_s * 1000), target=row.target)

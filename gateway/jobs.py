@@ -18,7 +18,7 @@ from herdwick.gateway.body import read_json_body
 from herdwick.gateway.context import Ctx
 from herdwick.gateway.decoding import decode, decode_collecting, well_formed
 from herdwick.gateway.herd import HERD_PLACEHOLDER, herd_check, herd_warning
-from herdwick.gateway.params import json_response, path_uuid
+from herdwick.gateway.params import etag, json_response, path_uuid
 from herdwick.gateway.problems import bad_field, invalid
 from herdwick.gateway.submit import HTTP_POOL, prepare, refused_message
 from herdwick.gateway.target_dns import target_name
@@ -27,6 +27,8 @@ from herdwick.model import (
     JOB_STATES,
     MAX_BATCH_JOBS,
     MAX_IDEMPOTENCY_KEY_LEN,
+    MAX_LABEL_FILTERS,
+    MAX_NAME_LEN,
     MAX_PAYLOAD_BYTES,
     BatchCreated,
     BatchItem,
@@ -36,6 +38,8 @@ from herdwick.model import (
     JobPage,
     JobSpec,
     Schedule,
+    label_problem,
+    valid_name,
 )
 from herdwick.storage import jobs as store
 from herdwick.storage.jobs import NewIdempotency, NewJob, Transition
@@ -87,10 +91,12 @@ def _decode_batch(raw: bytes) -> list[JobSpec]:
     return specs
 
 
-async def _prepare_all(ctx: Ctx, specs: list[JobSpec], batch: bool) -> list[NewJob]:
+async def prepare_all(ctx: Ctx, specs: list[JobSpec], batch: bool,
+                      job_id: uuid.UUID | None = None) -> list[NewJob]:
+    """Every check of a submission (a PATCH's merged job too: job_id is its own)."""
     now = ctx.clock.now()
     prefixes = [f"jobs[{i}]." if batch else "" for i in range(len(specs))]
-    prepared = [prepare(s, now=now, allow=ctx.http_allow, prefix=p)
+    prepared = [prepare(s, now=now, allow=ctx.http_allow, prefix=p, job_id=job_id)
                 for s, p in zip(specs, prefixes, strict=True)]
     # The names of the http targets that passed every other check, looked up together.
     names = {i: target_name(s.target.ref) for i, s in enumerate(specs)
@@ -114,7 +120,7 @@ async def submit(request: web.Request) -> web.Response:
     owner = await tenant_of(request, ctx.db, ctx.keys)
     key = _idempotency_key(request)
     body = await read_json_body(request, SINGLE_BODY_CAP)
-    [job] = await _prepare_all(ctx, [decode(_spec_decoder, body)], batch=False)
+    [job] = await prepare_all(ctx, [decode(_spec_decoder, body)], batch=False)
 
     def created(warnings: list[str]) -> JobCreated:
         return JobCreated(job_id=job.job_id, next_run_at=job.next_run_at, state="active",
@@ -128,7 +134,7 @@ async def submit_batch(request: web.Request) -> web.Response:
     owner = await tenant_of(request, ctx.db, ctx.keys)
     key = _idempotency_key(request)
     body = await read_json_body(request, BATCH_BODY_CAP)
-    jobs = await _prepare_all(ctx, _decode_batch(body), batch=True)
+    jobs = await prepare_all(ctx, _decode_batch(body), batch=True)
     items = [BatchItem(job_id=j.job_id, next_run_at=j.next_run_at, state="active") for j in jobs]
 
     def created(warnings: list[str]) -> BatchCreated:
@@ -181,7 +187,8 @@ def job_id_of(request: web.Request) -> uuid.UUID:
 async def get_job(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    return json_response(200, await store.get_job(ctx.db, owner.tenant_id, job_id_of(request)))
+    job = await store.get_job(ctx.db, owner.tenant_id, job_id_of(request))
+    return json_response(200, job, etag(job))
 
 
 async def list_jobs(request: web.Request) -> web.Response:
@@ -190,10 +197,34 @@ async def list_jobs(request: web.Request) -> web.Response:
     state = request.query.get("state") or None
     if state is not None and state not in JOB_STATES:
         raise bad_field("state", f"one of {', '.join(JOB_STATES)}")
+    name = request.query.get("name")
+    if name is not None and (not 1 <= len(name) <= MAX_NAME_LEN or not valid_name(name)):
+        raise bad_field("name", f"a job name: 1 to {MAX_NAME_LEN} characters, no control "
+                                "characters")
     items, cursor = await store.list_jobs(ctx.db, owner.tenant_id, state=state,
                                           after=params.cursor(request, store.decode_cursor),
-                                          limit=params.limit(request))
+                                          limit=params.limit(request), name=name,
+                                          labels=_label_filter(request))
     return json_response(200, JobPage(items=items, next_cursor=cursor))
+
+
+def _label_filter(request: web.Request) -> dict[str, str]:
+    """`label=key:value`, repeatable: a job must carry every pair. A key given twice with
+    two values matches nothing, so it is refused rather than answered with an empty page."""
+    wanted: dict[str, str] = {}
+    given = request.query.getall("label", [])
+    if len(given) > MAX_LABEL_FILTERS:
+        raise bad_field("label", f"at most {MAX_LABEL_FILTERS} label filters")
+    for text in given:
+        key, colon, value = text.partition(":")
+        if not colon:
+            raise bad_field("label", f"key:value, not {text[:80]!r}")
+        if (problem := label_problem(key, value)) is not None:
+            raise bad_field("label", problem)
+        if wanted.get(key, value) != value:
+            raise bad_field("label", f"the key {key!r} is given two values")
+        wanted[key] = value
+    return wanted
 
 
 def _pause(job: Job, schedule: Schedule) -> Transition | None:
@@ -282,13 +313,15 @@ async def pause_job(request: web.Request) -> web.Response:
     """No new attempt starts while the job is paused: neither its occurrences nor the
     retries of its executions (those stay in retry_wait). A running attempt finishes.
     Pausing a paused job changes nothing; a canceled or completed job is 409."""
-    return json_response(200, await _transition_request(request, pause))
+    job = await _transition_request(request, pause)
+    return json_response(200, job, etag(job))
 
 
 async def resume_job(request: web.Request) -> web.Response:
     """The next occurrence follows the misfire policy if its time passed while paused;
     a retry held back by the pause runs at its retry time, or at once if that passed."""
-    return json_response(200, await _transition_request(request, resume))
+    job = await _transition_request(request, resume)
+    return json_response(200, job, etag(job))
 
 
 async def cancel_job(request: web.Request) -> web.Response:

@@ -20,8 +20,12 @@ from herdwick import schedule as sched
 from herdwick.gateway.routes import _PARAM, ROUTES, Route
 from herdwick.gateway.submit import HTTP_POOL, HTTP_REF_PATTERN
 from herdwick.model import (
+    LABEL_KEY_PATTERN,
     MAX_BATCH_JOBS,
+    MAX_LABEL_VALUE_LEN,
+    MAX_LABELS,
     MAX_PAYLOAD_BYTES,
+    NAME_PATTERN,
     POOL_PATTERN,
     SCHEDULE_SHAPES,
     Problem,
@@ -35,7 +39,9 @@ _STATUS_TEXT = {
     405: "Method not allowed: the id made the path another operation's (Allow lists its "
          "methods)",
     408: "The body did not arrive in time (the connection closes)",
-    409: "The state forbids this transition", 413: "Too large", 415: "Not JSON",
+    409: "The state forbids this transition",
+    412: "If-Match names another version than the job's (ETag: the current one)",
+    413: "Too large", 415: "Not JSON", 428: "If-Match is missing",
     422: "Invalid field (errors[].field names it)", 429: "Over quota (Retry-After)",
     503: "Storage unavailable (Retry-After); nothing written",
 }
@@ -84,7 +90,8 @@ def _parameters(route: Route) -> list[dict]:
               for n in _PARAM.findall(route.path)]
     params += [{"name": q.name, "in": "query", "description": q.description, "schema": q.schema}
                for q in route.query]
-    params += [{"name": h.name, "in": "header", "description": h.description, "schema": h.schema}
+    params += [{"name": h.name, "in": "header", "description": h.description, "schema": h.schema,
+                **({"required": True} if h.required else {})}
                for h in route.headers]
     return params
 
@@ -105,7 +112,8 @@ def _operation(route: Route, refs: dict[type, dict]) -> dict:
         op["security"] = _SECURITY[route.auth]
     if route.body is not None:
         op["requestBody"] = {"required": not route.body_optional,
-                             "content": _json(refs[route.body])}
+                             "content": {t: {"schema": refs[route.body]}
+                                         for t in route.body_types}}
     for status, model in (route.ok, *route.also):
         answer: dict = {"description": _STATUS_TEXT.get(status, "OK")}
         if model is not None:
@@ -114,6 +122,9 @@ def _operation(route: Route, refs: dict[type, dict]) -> dict:
             answer["links"] = {link.name: {"operationId": link.handler.__name__,
                                            "parameters": link.parameters}
                                for link in route.links}
+        if status == route.ok[0] and route.ok_headers:
+            answer["headers"] = {h.name: {"required": h.required, "description": h.description,
+                                          "schema": h.schema} for h in route.ok_headers}
         op["responses"][str(status)] = answer
     for code in _statuses(route):
         answer = {"description": _STATUS_TEXT.get(code, "Error"),
@@ -275,6 +286,29 @@ def _payload(components: dict) -> None:
         "pattern": _NO_NUL, "items": _ref("Payload"), "propertyNames": {"pattern": _NO_NUL},
         "additionalProperties": _ref("Payload")}
     components["JobSpec"]["properties"]["payload"] = {**_ref("Payload"), "default": None}
+    components["JobPatch"]["properties"]["payload"] = {
+        **_ref("Payload"), "description": "merged into the payload (RFC 7396): an object "
+                                          "member by member, anything else replaces it"}
+
+
+def _labels(components: dict) -> None:
+    labels = {
+        "type": "object", "maxProperties": MAX_LABELS, "default": {},
+        "propertyNames": {"pattern": f"^{LABEL_KEY_PATTERN}$"},
+        "additionalProperties": {"type": "string", "maxLength": MAX_LABEL_VALUE_LEN,
+                                 "pattern": NAME_PATTERN},
+        "description": f"Up to {MAX_LABELS} string pairs to find the job by "
+                       "(GET /v1/jobs?label=key:value)"}
+    for name in ("JobSpec", "Job"):
+        components[name]["properties"]["labels"] = labels
+    # A patch's labels merge: a null value removes that label.
+    components["JobPatch"]["properties"]["labels"] = {
+        "anyOf": [{**{k: v for k, v in labels.items() if k != "default"},
+                   "additionalProperties": {"anyOf": [labels["additionalProperties"],
+                                                      {"type": "null"}]}},
+                  {"type": "null"}],
+        "description": "merged into the labels: a null value removes that label; null "
+                       "removes them all"}
 
 
 def _exact(components: dict) -> None:
@@ -283,6 +317,7 @@ def _exact(components: dict) -> None:
     _schedules(components)
     _targets(components)
     _payload(components)
+    _labels(components)
     components["JobBatch"]["properties"]["jobs"]["description"] = (
         f"1 to {MAX_BATCH_JOBS} jobs, inserted in one transaction: all or none")
 

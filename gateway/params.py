@@ -22,6 +22,11 @@ def json_response(status: int, value: object,
                         content_type="application/json", headers=headers)
 
 
+def etag(job) -> dict[str, str]:
+    """A job's ETag: its version, quoted (what If-Match sends back)."""
+    return {"ETag": f'"{job.version}"'}
+
+
 def path_uuid(request: web.Request, name: str, what: str) -> uuid.UUID:
     """A path id; one that is not even a UUID cannot exist, so it is a 404 too."""
     try:

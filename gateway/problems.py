@@ -16,6 +16,7 @@ from herdwick.errors import (
     QuotaExceeded,
     Rejected,
     StorageUnavailable,
+    VersionMismatch,
 )
 from herdwick.model import FieldError, Problem
 
@@ -72,7 +73,8 @@ def from_validation_error(exc: msgspec.ValidationError, prefix: str = "") -> Fie
     named = _UNKNOWN.match(message) or _MISSING.match(message)
     if named:
         path = f"{path}.{named.group(1)}" if path else named.group(1)
-    path = ".".join(p for p in (prefix, path) if p) or "body"
+    # msgspec names a map's value "[...]" (labels[...]): the field is the map.
+    path = ".".join(p for p in (prefix, path.replace("[...]", "")) if p) or "body"
     return FieldError(field=path.replace(".[", "["), message=message)
 
 
@@ -90,6 +92,9 @@ def from_domain(exc: Exception) -> HttpProblem | None:
             return HttpProblem(404, "not-found", "Not found", str(exc))
         case Conflict():
             return HttpProblem(409, "conflict", "Conflict", str(exc))
+        case VersionMismatch():
+            return HttpProblem(412, "precondition-failed", "Precondition failed", str(exc),
+                               headers={"ETag": f'"{exc.current_version}"'})
         case IdempotencyKeyReused():
             return HttpProblem(422, "idempotency-key-reused", "Idempotency key reused", str(exc),
                                [FieldError(field="Idempotency-Key", message=str(exc))])

@@ -8,12 +8,17 @@ from typing import Literal, NamedTuple
 
 from aiohttp import web
 
-from herdwick.gateway import executions, health, jobs, tenants
+from herdwick.gateway import executions, health, jobs, patch, tenants
 from herdwick.model import (
     JOB_STATES,
+    LABEL_KEY_PATTERN,
     LIST_LIMIT_DEFAULT,
     LIST_LIMIT_MAX,
     MAX_IDEMPOTENCY_KEY_LEN,
+    MAX_LABEL_FILTERS,
+    MAX_LABEL_VALUE_LEN,
+    MAX_NAME_LEN,
+    NAME_PATTERN,
     BatchCreated,
     Execution,
     ExecutionPage,
@@ -21,7 +26,9 @@ from herdwick.model import (
     JobBatch,
     JobCreated,
     JobPage,
+    JobPatch,
     JobSpec,
+    RevisionPage,
     SecretRotation,
     SigningSecret,
     Tenant,
@@ -38,6 +45,7 @@ class Query(NamedTuple):
     name: str
     description: str
     schema: dict
+    required: bool = False
 
 
 class Link(NamedTuple):
@@ -67,6 +75,8 @@ class Route(NamedTuple):
     also: tuple[tuple[int, type], ...] = ()  # other answers that are not problems
     body_optional: bool = False  # an empty body is the body's defaults
     links: tuple[Link, ...] = ()  # on the ok answer
+    body_types: tuple[str, ...] = ("application/json",)
+    ok_headers: tuple[Query, ...] = ()  # headers every ok answer carries
 
 
 # The cursors each list issues. storage/jobs.py encode_cursor, for jobs and dead letters:
@@ -77,8 +87,20 @@ class Route(NamedTuple):
 # leading "A" holds it from 1970 to the year 11103) and the execution's UUID. Every issued
 # one matches; one that matches but was not issued can still be 422 (the time is past 9999,
 # or it does not round-trip through the float arithmetic the encoding uses).
+# A label filter: a key, a colon, a value (herdwick/model.py label_problem).
+LABEL_FILTER_PATTERN = (f"^{LABEL_KEY_PATTERN}:[^\\x00-\\x1f\\x7f-\\x9f]"
+                        f"{{0,{MAX_LABEL_VALUE_LEN}}}$")
 ID_CURSOR_PATTERN = "^j1\\.[A-Za-z0-9_-]{21}[AQgw]$"
 EXECUTION_CURSOR_PATTERN = "^e1\\.A[A-Za-z0-9_-]{31}$"
+
+
+# Revisions page on the job's version: "r1." and the version before which the next page
+# starts (storage/jobs.py encode_revision_cursor); one past 2^31 - 1 is 422.
+REVISION_CURSOR_PATTERN = "^r1\\.[1-9][0-9]{0,9}$"
+_ETAG = (Query("ETag", "the job's version, quoted: what If-Match sends back to change it",
+               {"type": "string", "pattern": '^"[1-9][0-9]*"$'}, required=True),)
+_IF_MATCH = (Query("If-Match", 'the ETag of the job as read (e.g. "3"); missing: 428, '
+                               "another version: 412", {"type": "string"}, required=True),)
 
 
 def _list_query(cursor_pattern: str) -> tuple[Query, ...]:
@@ -112,7 +134,7 @@ def _job_links(job_id: str, *handlers: Handler) -> tuple[Link, ...]:
 # What a job's id leads to, from any answer that names one. Cancel is among them: after it,
 # pause, resume and trigger answer 409, as the document says they may.
 _ON_A_JOB = (jobs.get_job, jobs.pause_job, jobs.resume_job, executions.trigger_job,
-             executions.job_executions, jobs.cancel_job)
+             executions.job_executions, patch.job_revisions, jobs.cancel_job)
 _JOB_LINKS = _job_links("$response.body#/jobId", *_ON_A_JOB)
 _TENANT_LINKS = (
     Link("patchTenant", tenants.patch_tenant, {"tenantId": "$response.body#/tenantId"}),
@@ -128,15 +150,29 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/jobs", jobs.list_jobs, "List jobs, newest first", "tenant",
           ok=(200, JobPage), errors=(422,),
           query=(Query("state", "only jobs in this state", {"enum": list(JOB_STATES)}),
+                 Query("name", "only jobs of exactly this name (case-sensitive)",
+                       {"type": "string", "minLength": 1, "maxLength": MAX_NAME_LEN,
+                        "pattern": NAME_PATTERN}),
+                 Query("label", "key:value, repeatable: only jobs carrying every pair given "
+                                "(a key given twice with two values is 422)",
+                       {"type": "array", "maxItems": MAX_LABEL_FILTERS,
+                        "items": {"type": "string", "pattern": LABEL_FILTER_PATTERN}}),
                  *_list_query(ID_CURSOR_PATTERN))),
     Route("POST", "/v1/jobs/{jobId}:pause", jobs.pause_job,
           "Pause a job: no new attempt of it starts until it is resumed", "tenant",
-          ok=(200, Job), errors=(409,), links=_JOB_LINKS),
+          ok=(200, Job), errors=(409,), links=_JOB_LINKS, ok_headers=_ETAG),
     Route("POST", "/v1/jobs/{jobId}:resume", jobs.resume_job,
           "Resume a paused job (next run per its misfire policy; held retries go on)", "tenant",
-          ok=(200, Job), errors=(409,), links=_JOB_LINKS),
+          ok=(200, Job), errors=(409,), links=_JOB_LINKS, ok_headers=_ETAG),
     Route("GET", "/v1/jobs/{jobId}", jobs.get_job, "Read a job", "tenant", ok=(200, Job),
-          links=_JOB_LINKS),
+          links=_JOB_LINKS, ok_headers=_ETAG),
+    Route("PATCH", "/v1/jobs/{jobId}", patch.patch_job,
+          "Change a job: a JSON merge patch under If-Match", "tenant", JobPatch, (200, Job),
+          (409, 412, 428), headers=_IF_MATCH, links=_JOB_LINKS, ok_headers=_ETAG,
+          body_types=("application/merge-patch+json", "application/json")),
+    Route("GET", "/v1/jobs/{jobId}/revisions", patch.job_revisions,
+          "A job's revisions (each PATCH), newest first", "tenant", ok=(200, RevisionPage),
+          errors=(422,), query=_list_query(REVISION_CURSOR_PATTERN)),
     Route("DELETE", "/v1/jobs/{jobId}", jobs.cancel_job, "Cancel a job (idempotent)", "tenant",
           ok=(204, None)),
     Route("POST", "/v1/jobs/{jobId}:trigger", executions.trigger_job,

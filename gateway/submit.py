@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import urllib.parse
+import uuid
 from datetime import datetime, timedelta
 
 import msgspec
@@ -23,6 +24,7 @@ from herdwick.model import (
     FieldError,
     JobSpec,
     Schedule,
+    label_problem,
     valid_name,
     valid_pool,
 )
@@ -67,7 +69,7 @@ HTTP_REF_PATTERN = (
     "(?:[/?#][^\\x00-\\x20\\x7f-\\x9f]*)?$"
 )
 
-_encode_schedule = msgspec.json.Encoder().encode
+_encode_schedule = _encode_json = msgspec.json.Encoder().encode
 
 Network = ssrf.Network
 
@@ -147,6 +149,13 @@ def _has_nul(value: object) -> bool:
     return False
 
 
+def check_labels(labels: dict[str, str], prefix: str) -> list[FieldError]:
+    """Every bad label, each naming the field `labels` (a key may be anything, even empty:
+    it is quoted in the message, not made part of a field name)."""
+    return [_err(prefix, "labels", problem) for key, value in labels.items()
+            if (problem := label_problem(key, value)) is not None]
+
+
 def check_times(schedule: Schedule, now: datetime, prefix: str) -> list[FieldError]:
     run_at = schedule.run_at
     if run_at is None:
@@ -167,15 +176,17 @@ def normalised(schedule: Schedule) -> Schedule:
 
 
 def prepare(spec: JobSpec, *, now: datetime, allow: tuple[Network, ...],
-            prefix: str = "") -> Prepared:
-    """Validate one job and compute its first due time."""
+            prefix: str = "", job_id: uuid.UUID | None = None) -> Prepared:
+    """Validate one job and compute its first due time (from now). job_id: an existing
+    job's, being changed (its hashed cron fields and jitter follow from it)."""
     errors: list[FieldError] = []
     if not valid_name(spec.name):
         errors.append(_err(prefix, "name", "must not contain control characters"))
     errors += check_target(spec, prefix, allow)
     errors += check_payload(spec.payload, prefix)
+    errors += check_labels(spec.labels, prefix)
     errors += check_times(spec.schedule, now, prefix)
-    job_id = uuid7(now)
+    job_id = job_id or uuid7(now)
     if errors:
         return Prepared(None, errors)
     try:
@@ -194,5 +205,6 @@ def prepare(spec: JobSpec, *, now: datetime, allow: tuple[Network, ...],
         pool=pool, payload=bytes(spec.payload).decode(),
         schedule=_encode_schedule(normalised(spec.schedule)).decode(),
         max_attempts=spec.retry.max_attempts, backoff_s=float(spec.retry.backoff_seconds),
-        timeout_s=spec.timeout_seconds, next_run_at=first, shard_id=shard_of(job_id))
+        timeout_s=spec.timeout_seconds, next_run_at=first, shard_id=shard_of(job_id),
+        labels=_encode_json(spec.labels).decode(), dry_run=spec.dry_run)
     return Prepared(job, [])

@@ -269,7 +269,7 @@ async def job_list(request: web.Request) -> web.Response:
     if name is not None and len(name) > MAX_NAME_FILTER:
         raise bad_field("name", f"at most {MAX_NAME_FILTER} characters")
     items, cursor = await job_store.list_jobs(
-        _ctx(request).db, tenant.tenant_id, state=state, name=name,
+        _ctx(request).db, tenant.tenant_id, state=state, name_contains=name,
         after=params.cursor(request, job_store.decode_cursor), limit=params.limit(request))
     return page("jobs.html", viewer=viewer, tenant=tenant, jobs=items, next_cursor=cursor,
                 state=state or "", name=name or "", states=JOB_STATES)

@@ -140,6 +140,9 @@ def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
     http.add_argument("--breaker-cooldown", type=_positive_float, default=10.0,
                       metavar="SECONDS", help="how long a circuit stays open before one probe "
                                               "(doubled per failed probe, up to 300; default 10)")
+    http.add_argument("--lease", type=_positive_float, default=30.0, metavar="SECONDS",
+                      help="each delivery's lease, renewed while it runs: how soon another "
+                           "http-worker retries the deliveries of one that died (default 30)")
     worker = command(sub, "worker", "run a herdwick.Worker from user code until SIGINT/SIGTERM "
                                     "(in-flight work drains first)", "worker")
     worker.add_argument("target", metavar="MODULE:ATTR",
@@ -192,6 +195,7 @@ def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
     mode.add_argument("--read", metavar="DAY", default=None,
                       help="print the archived executions of DAY (YYYY-MM-DD), one JSON object "
                            "a line, each archive checked against its manifest")
+    _crontab_parser(sub, command)
     cron = command(sub, "cron", "print the next fire times of a cron expression: the function "
                                 "the scheduler uses")
     cron.add_argument("expr", help="five fields, or a macro such as @daily")
@@ -203,6 +207,49 @@ def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
     cron.add_argument("--job-id", default=None, help="the job id that seeds jitter and H")
     _loadtest_parser(sub, logging_, loadtest_flags)
     return parser
+
+
+def _crontab_parser(sub: argparse._SubParsersAction, command) -> None:
+    crontab = sub.add_parser("crontab", help="move a crontab onto herdwick: import its lines "
+                                             "as jobs, compare fire times",
+                             description="move a crontab onto herdwick (docs/crontab.md)")
+    crontab_sub = crontab.add_subparsers(dest="crontab_command", required=True,
+                                         metavar="ACTION")
+    imp = command(crontab_sub, "import", "create a job for each line of a crontab "
+                                         "(idempotent); report the lines it cannot carry over")
+    imp.add_argument("--target", required=True, metavar="QUEUE|URL",
+                     help="where the jobs go: a worker pool's name, or an http(s) URL")
+    imp.add_argument("--dry-run", action="store_true",
+                     help="create them as dry runs: fire times recorded, nothing run")
+    cmp = command(crontab_sub, "compare", "compare the fire times a crontab's jobs recorded "
+                                          "with the crontab's, and with a log of real runs")
+    cmp.add_argument("--since", required=True, metavar="RFC3339",
+                     help="the window's start (inclusive)")
+    cmp.add_argument("--until", required=True, metavar="RFC3339",
+                     help="the window's end (exclusive)")
+    cmp.add_argument("--log", default=None, metavar="FILE",
+                     help="the old system's runs: `<RFC 3339 time> <crontab line>` a line")
+    cmp.add_argument("--shift-within", type=_positive_float, default=7200.0, metavar="SECONDS",
+                     help="a run this close to an expected one is shifted, not missing and "
+                          "extra (default 7200)")
+    cmp.add_argument("--strict", action="store_true",
+                     help="exit 1 if anything differs (default: report, exit 0)")
+    for action in (imp, cmp):
+        action.add_argument("file", metavar="FILE", help="the crontab")
+        action.add_argument("--source", default=None, metavar="NAME",
+                            help="the name its jobs are labelled with (crontab=NAME); "
+                                 "default the file's name")
+        action.add_argument("--system", action="store_true",
+                            help="a system crontab (/etc/crontab, /etc/cron.d): each line "
+                                 "names a user before its command")
+        action.add_argument("--tz", default="UTC", metavar="ZONE",
+                            help="the zone of lines before any CRON_TZ= or TZ= (default UTC)")
+        action.add_argument("--api-url", default=None, metavar="URL",
+                            help="the gateway; default $HERDWICK_API_URL, else "
+                                 "http://$HERDWICK_API_HOST:$HERDWICK_API_PORT")
+        action.add_argument("--api-key", default=None, metavar="KEY",
+                            help="the tenant's API key (it names the tenant); default "
+                                 "$HERDWICK_API_KEY")
 
 
 def _loadtest_parser(sub: argparse._SubParsersAction, logging_: argparse.ArgumentParser,
@@ -312,9 +359,27 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 
 
 def _stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGINT/SIGTERM set `stop`; SIGUSR2 logs where every task is waiting (a stuck process)."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _stopping, stop, sig)
+    loop.add_signal_handler(signal.SIGUSR2, _dump_tasks)
+
+
+def _stopping(stop: asyncio.Event, sig: signal.Signals) -> None:
+    if not stop.is_set():
+        logs.get("herdwick").info("stopping", signal=sig.name)
+    stop.set()
+
+
+def _dump_tasks() -> None:
+    """Every task's stack to stderr: what a process that will not stop is waiting for."""
+    tasks = asyncio.all_tasks()
+    logs.get("herdwick").warning("tasks_dumped", tasks=len(tasks))
+    for task in tasks:
+        print(f"--- {task.get_name()}: {task.get_coro()!r:.200}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
 
 
 # --- commands -------------------------------------------------------------------------
@@ -347,6 +412,99 @@ def cmd_cron(args: argparse.Namespace) -> int:
     for when in times:
         print(sched.format_utc(when))
     return 0
+
+
+def cmd_crontab(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from herdwick import crontab
+    from herdwick import schedule as sched
+
+    name = f"herdwick crontab {args.crontab_command}"
+    key = args.api_key or os.environ.get("HERDWICK_API_KEY")
+    if not key:
+        print(f"{name}: give the tenant's API key (--api-key or HERDWICK_API_KEY)",
+              file=sys.stderr)
+        return 2
+    url = args.api_url or os.environ.get("HERDWICK_API_URL") or (
+        f"http://{os.environ.get('HERDWICK_API_HOST', '127.0.0.1')}:"
+        f"{os.environ.get('HERDWICK_API_PORT', '8080')}")
+    try:
+        sched.validate_zone(args.tz)
+        text = Path(args.file).read_text()
+        log = Path(args.log).read_text() if getattr(args, "log", None) else None
+        runs = crontab.parse_log(log) if log is not None else None
+        window = (_instant(args.since, "--since"), _instant(args.until, "--until")) \
+            if args.crontab_command == "compare" else None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    parsed = crontab.parse(text, system=args.system, tz=args.tz)
+    source = args.source or Path(args.file).name
+    if window is None:
+        return _run(_crontab_import(url, key, parsed, source, args))
+    return _run(_crontab_compare(url, key, parsed, source, window, runs, args))
+
+
+def _instant(text: str, flag: str) -> datetime:
+    when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if when.tzinfo is None:
+        raise ValueError(f"{flag} needs a UTC offset or Z")
+    return when.astimezone(UTC)
+
+
+async def _crontab_import(url: str, key: str, parsed, source: str,
+                          args: argparse.Namespace) -> int:
+    from herdwick.crontab_client import Gateway, import_crontab
+
+    entries = {e.line: e for e in parsed.entries}
+    async with Gateway(url, key) as gateway:
+        done = await import_crontab(gateway, parsed, source=source, target=args.target,
+                                    dry_run=args.dry_run)
+    for item in done:
+        entry = entries.get(item.line)
+        what = f" {entry.cron} ({entry.tz}) {entry.command}" if entry else ""
+        if item.outcome in ("created", "exists"):
+            print(f"line {item.line}: {item.outcome} {item.job_id}{what}")
+        else:
+            print(f"line {item.line}: not carried over: {item.detail}")
+    counts = {o: sum(i.outcome == o for i in done) for o in ("created", "exists", "refused",
+                                                             "failed")}
+    print(f"created {counts['created']}, already there {counts['exists']}, not carried over "
+          f"{counts['refused'] + counts['failed']}")
+    return 1 if counts["failed"] else 0
+
+
+async def _crontab_compare(url: str, key: str, parsed, source: str,
+                           window: tuple[datetime, datetime], runs, args) -> int:
+    from herdwick import crontab
+    from herdwick.crontab_client import Gateway, recorded_fires
+
+    since, until = window
+    async with Gateway(url, key) as gateway:
+        recorded = await recorded_fires(gateway, parsed, source=source, since=since,
+                                        until=until)
+    differs = False
+    for refused in parsed.refused:
+        print(f"line {refused.line}: not carried over: {refused.reason}")
+    for entry in parsed.entries:
+        job_id, fires = recorded[entry.line]
+        title = f"line {entry.line} ({entry.cron}, {entry.tz})"
+        if job_id is None:
+            print(f"{title}: no job (not imported from this source)")
+            differs = True
+            continue
+        references = [("crontab", crontab.expected_fires(entry, since, until))]
+        if runs is not None:
+            references.append(("log", [t for t in runs.get(entry.line, [])
+                                       if since <= t < until]))
+        for name, times in references:
+            diff = crontab.compare(times, fires, args.shift_within)
+            differs |= not diff.same
+            for line in crontab.report(title, name, diff):
+                print(line)
+    return 1 if differs and args.strict else 0
 
 
 async def _migrate(settings: Settings) -> int:
@@ -657,7 +815,8 @@ async def _http_worker(settings: Settings, args: argparse.Namespace) -> int:
     async with _metrics_server(args):
         await HttpWorker(settings.redis_url, key_prefix=settings.key_prefix,
                          allow=settings.http_allow_networks, concurrency=args.concurrency,
-                         target_concurrency=args.target_concurrency, breaker=breaker).run(stop)
+                         target_concurrency=args.target_concurrency, breaker=breaker,
+                         lease_s=args.lease).run(stop)
     return 0
 
 
@@ -750,6 +909,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "cron": cmd_cron,
+        "crontab": cmd_crontab,
         "retention": cmd_retention,
         "migrate": _production(_migrate, database_only=True),
         "api": _production(_api),

@@ -42,6 +42,14 @@ class Conflict(HerdwickError):
     """The object's state forbids the transition (resume a canceled job)."""
 
 
+class VersionMismatch(HerdwickError):
+    """The object is no longer at the version the caller read (If-Match): 412."""
+
+    def __init__(self, message: str, current_version: int) -> None:
+        super().__init__(message)
+        self.current_version = current_version
+
+
 class QuotaExceeded(HerdwickError):
     """The tenant is over a limit; retry_after_s says when to try again."""
 

@@ -24,11 +24,20 @@ MAX_TIMEOUT_S = 7 * 24 * 3600
 MAX_BACKOFF_S = 24 * 3600
 MAX_ATTEMPTS = 100
 MAX_IDEMPOTENCY_KEY_LEN = 255
+MAX_NAME_LEN = 200
 # runAt must fall in [EARLIEST_RUN_AT, submit time + MAX_DELAY_S]: a time in the past
 # runs as soon as possible, and the bounds keep every stored time finite and ordinary.
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LIST_LIMIT_DEFAULT = 50
 LIST_LIMIT_MAX = 500
+# A job's labels: at most MAX_LABELS pairs; a key is LABEL_KEY_PATTERN (no ':', which
+# separates key from value in the list filter `label=key:value`), a value 0 to
+# MAX_LABEL_VALUE_LEN characters without control characters. Checked by
+# gateway/submit.py check_labels; published by gateway/openapi.py.
+MAX_LABELS = 32
+LABEL_KEY_PATTERN = "[A-Za-z0-9][A-Za-z0-9_./-]{0,62}"
+MAX_LABEL_VALUE_LEN = 255
+MAX_LABEL_FILTERS = 8
 
 # Names (of jobs and tenants) hold no control character (Unicode Cc: C0, DEL and C1).
 # The check is valid_name; the pattern is what /openapi.json publishes for it.
@@ -41,6 +50,19 @@ def valid_name(name: str) -> bool:
     return _CONTROL.search(name) is None
 
 
+_LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
+
+
+def label_problem(key: str, value: str) -> str | None:
+    """What is wrong with one label, or None."""
+    if _LABEL_KEY.fullmatch(key) is None:
+        return f"the key {key[:80]!r} is not {LABEL_KEY_PATTERN}"
+    if len(value) > MAX_LABEL_VALUE_LEN or not valid_name(value):
+        return (f"the value of {key!r} must be at most {MAX_LABEL_VALUE_LEN} characters "
+                "without control characters")
+    return None
+
+
 # JSON Schema calls 5.0 an integer, so any client or fuzzer working from /openapi.json may
 # send one; msgspec refuses a float for an int field (its lax mode would, but would take
 # "5" too). So a request's integer fields are floats that must be a multiple of 1 (5 and 5.0
@@ -48,7 +70,7 @@ def valid_name(name: str) -> bool:
 # __post_init__), and gateway/openapi.py publishes them as "type": "integer".
 WholeNumber = Annotated[float, Meta(multiple_of=1)]
 
-JobName = Annotated[str, Meta(min_length=1, max_length=200,
+JobName = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN,
                               extra_json_schema={"pattern": NAME_PATTERN})]
 TargetRef = Annotated[str, Meta(min_length=1, max_length=2048)]
 DelaySeconds = Annotated[float, Meta(ge=0, le=MAX_DELAY_S)]
@@ -56,6 +78,8 @@ JitterSeconds = Annotated[WholeNumber, Meta(ge=0, le=MAX_JITTER_S)]
 Attempts = Annotated[WholeNumber, Meta(ge=1, le=MAX_ATTEMPTS)]
 BackoffSeconds = Annotated[float, Meta(ge=0, le=MAX_BACKOFF_S)]
 TimeoutSeconds = Annotated[WholeNumber, Meta(ge=1, le=MAX_TIMEOUT_S)]
+# Keys and values are checked in code (label_problem), so an error names `labels`.
+Labels = Annotated[dict[str, str], Meta(max_length=MAX_LABELS)]
 CronText = Annotated[str, Meta(min_length=1, max_length=200)]
 ZoneName = Annotated[str, Meta(min_length=1, max_length=64)]
 AwareTime = Annotated[datetime, Meta(tz=True)]
@@ -94,7 +118,7 @@ Overlap = Literal["allow", "forbid", "replace"]
 Misfire = Literal["skip", "catch_up"]
 JobState = Literal["active", "paused", "canceled", "completed"]
 ExecutionState = Literal[
-    "queued", "running", "retry_wait", "succeeded", "dead", "canceled", "skipped"
+    "queued", "running", "retry_wait", "succeeded", "dead", "canceled", "skipped", "dry_run"
 ]
 
 JOB_STATES: tuple[str, ...] = ("active", "paused", "canceled", "completed")
@@ -183,9 +207,71 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="
     payload: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"null"))
     retry: RetryPolicy = DEFAULT_RETRY
     timeout_seconds: TimeoutSeconds = DEFAULT_TIMEOUT_S
+    labels: Labels = msgspec.field(default_factory=dict)
+    # Each occurrence is recorded as a dry_run execution, never published.
+    dry_run: bool = False
 
     def __post_init__(self) -> None:
         _as_ints(self, "timeout_seconds")
+
+
+# PATCH /v1/jobs/{jobId} is a JSON merge patch (RFC 7396) of the job as GET shows it:
+# these structs check a patch's shape (and publish it: a member may be null, which
+# removes it, so the field takes its default); the merged job is then checked as a
+# submission is (JobSpec, gateway/submit.py).
+
+
+class SchedulePatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="camel"):
+    run_at: AwareTime | msgspec.UnsetType | None = msgspec.UNSET
+    delay_seconds: DelaySeconds | msgspec.UnsetType | None = msgspec.UNSET
+    cron: CronText | msgspec.UnsetType | None = msgspec.UNSET
+    tz: ZoneName | msgspec.UnsetType | None = msgspec.UNSET
+    jitter_seconds: JitterSeconds | msgspec.UnsetType | None = msgspec.UNSET
+    overlap: Overlap | msgspec.UnsetType | None = msgspec.UNSET
+    misfire: Misfire | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class TargetPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: TargetType | msgspec.UnsetType = msgspec.UNSET
+    ref: TargetRef | msgspec.UnsetType = msgspec.UNSET
+
+
+class RetryPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="camel"):
+    max_attempts: Attempts | msgspec.UnsetType | None = msgspec.UNSET
+    backoff_seconds: BackoffSeconds | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class JobPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename="camel"):
+    """The body of PATCH /v1/jobs/{jobId}: name, target and schedule cannot be null."""
+
+    name: JobName | msgspec.UnsetType = msgspec.UNSET
+    target: TargetPatch | msgspec.UnsetType = msgspec.UNSET
+    schedule: SchedulePatch | msgspec.UnsetType = msgspec.UNSET
+    payload: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    retry: RetryPatch | msgspec.UnsetType | None = msgspec.UNSET
+    timeout_seconds: TimeoutSeconds | msgspec.UnsetType | None = msgspec.UNSET
+    labels: dict[str, str | None] | msgspec.UnsetType | None = msgspec.UNSET
+    dry_run: bool | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class FieldChange(msgspec.Struct, kw_only=True):
+    before: msgspec.Raw
+    after: msgspec.Raw
+
+
+class Revision(msgspec.Struct, kw_only=True, rename="camel"):
+    """One PATCH of a job: the version it made, who (an API key's fingerprint), when, and
+    each top-level field it changed, as GET showed it before and after."""
+
+    version: int
+    revised_at: datetime
+    revised_by: str
+    changes: dict[str, FieldChange]
+
+
+class RevisionPage(msgspec.Struct, kw_only=True, rename="camel"):
+    items: list[Revision]
+    next_cursor: str | None
 
 
 class JobBatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -222,6 +308,8 @@ class Job(msgspec.Struct, kw_only=True, rename="camel"):
     schedule: ScheduleOut
     retry: RetryPolicy
     timeout_seconds: int
+    labels: dict[str, str]
+    dry_run: bool
     state: JobState
     next_run_at: datetime | None
     created_at: datetime
@@ -245,6 +333,7 @@ class TenantSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, renam
     dispatch_rate: DispatchRate | None = None
     burst: Burst | None = None
     max_active_jobs: MaxActiveJobs | None = None
+    dry_run: bool = False  # every job of the tenant runs dry
 
     def __post_init__(self) -> None:
         _as_ints(self, "weight", "max_active_jobs")
@@ -261,6 +350,7 @@ class TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rena
     dispatch_rate: DispatchRate | msgspec.UnsetType | None = msgspec.UNSET
     burst: Burst | msgspec.UnsetType | None = msgspec.UNSET
     max_active_jobs: MaxActiveJobs | msgspec.UnsetType | None = msgspec.UNSET
+    dry_run: bool | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
         _as_ints(self, "weight", "max_active_jobs")
@@ -279,6 +369,7 @@ class Tenant(msgspec.Struct, kw_only=True, rename="camel"):
     dispatch_rate: float | None
     burst: float | None
     max_active_jobs: int | None
+    dry_run: bool
     created_at: datetime
     updated_at: datetime
 

@@ -43,6 +43,7 @@ class Claimed(msgspec.Struct, frozen=True, kw_only=True):
     max_attempts: int
     backoff_s: float
     target: str = ""  # an http job's URL
+    dry_run: bool = False  # the job's flag or its tenant's: record occurrences, publish none
 
 
 class NewExecution(msgspec.Struct, frozen=True):
@@ -50,7 +51,7 @@ class NewExecution(msgspec.Struct, frozen=True):
     job_id: uuid.UUID
     tenant_id: uuid.UUID
     scheduled_for: datetime
-    state: str  # queued | skipped
+    state: str  # queued | skipped | dry_run
 
 
 class NextDue(msgspec.Struct, frozen=True):
@@ -129,7 +130,7 @@ def _claimed(row) -> Claimed:
                    payload=row["payload"], schedule=row["schedule"],
                    timeout_s=row["timeout_s"], state=row["state"],
                    max_attempts=row["max_attempts"], backoff_s=row["backoff_s"],
-                   target=row["target"])
+                   target=row["target"], dry_run=row["dry_run"])
 
 
 async def dispatch(db: Database, node_id: str, revisions: dict[int, int], keys: list[DueKey],

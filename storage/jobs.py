@@ -10,9 +10,17 @@ from datetime import datetime, timedelta
 import asyncpg
 import msgspec
 
-from herdwick.errors import NotFound, QuotaExceeded
+from herdwick.errors import Conflict, NotFound, QuotaExceeded, VersionMismatch
 from herdwick.ids import uuid7
-from herdwick.model import Job, RetryPolicy, Schedule, ScheduleOut, Target
+from herdwick.model import (
+    FieldChange,
+    Job,
+    RetryPolicy,
+    Revision,
+    Schedule,
+    ScheduleOut,
+    Target,
+)
 from herdwick.storage.db import Database, retrying
 from herdwick.storage.sql import q
 
@@ -21,6 +29,8 @@ QUOTA_RETRY_AFTER_S = 60
 _CURSOR_PREFIX = "j1."
 
 _schedule_decoder = msgspec.json.Decoder(Schedule)
+_labels_decoder = msgspec.json.Decoder(dict[str, str])
+_encode = msgspec.json.Encoder().encode
 
 
 class NewJob(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,6 +48,8 @@ class NewJob(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: int
     next_run_at: datetime
     shard_id: int
+    labels: str = "{}"  # JSON text
+    dry_run: bool = False
 
 
 class NewIdempotency(msgspec.Struct, frozen=True, kw_only=True):
@@ -136,6 +148,8 @@ def _insert_args(tenant_id: uuid.UUID, jobs: list[NewJob], now: datetime,
         herd.labels if herd else [],
         idem.response_warned if idem else None,
         idem.warned_second_at + 1 if idem else None,  # SQL's overlay counts from 1
+        [j.labels for j in jobs],
+        [j.dry_run for j in jobs],
     )
 
 
@@ -161,6 +175,8 @@ def job_from_row(row: asyncpg.Record) -> Job:
         schedule=ScheduleOut.of(_schedule_decoder.decode(row["schedule"])),
         retry=RetryPolicy(max_attempts=row["max_attempts"], backoff_seconds=row["backoff_s"]),
         timeout_seconds=row["timeout_s"],
+        labels=_labels_decoder.decode(row["labels"]),
+        dry_run=row["dry_run"],
         state=row["state"],
         next_run_at=row["next_run_at"],
         created_at=row["created_at"],
@@ -196,12 +212,16 @@ def decode_cursor(cursor: str) -> uuid.UUID:
 
 
 async def list_jobs(db: Database, tenant_id: uuid.UUID, *, state: str | None,
-                    after: uuid.UUID | None, limit: int,
-                    name: str | None = None) -> tuple[list[Job], str | None]:
+                    after: uuid.UUID | None, limit: int, name_contains: str | None = None,
+                    name: str | None = None,
+                    labels: dict[str, str] | None = None) -> tuple[list[Job], str | None]:
     """One page, newest first, and the cursor of the next page (None at the end).
-    name: only jobs whose name holds this text, in any case."""
+    name_contains: only jobs whose name holds this text, in any case; name: only jobs of
+    exactly this name; labels: only jobs carrying every one of these pairs."""
+    wanted = _encode({str(tenant_id): labels}).decode() if labels else None
     async with db.connection() as conn:
-        rows = await conn.fetch(q("list_jobs"), tenant_id, state, after, limit + 1, name)
+        rows = await conn.fetch(q("list_jobs"), tenant_id, state, after, limit + 1,
+                                name_contains, name, wanted)
     jobs = [job_from_row(r) for r in rows[:limit]]
     more = len(rows) > limit
     return jobs, encode_cursor(jobs[-1].job_id) if more else None
@@ -272,3 +292,83 @@ async def _transition_once(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID
                                       change.next_run_at, now)
         return Transitioned(job=job_from_row(updated), canceled=canceled, due=due)
 
+
+
+class Updated(msgspec.Struct, frozen=True, kw_only=True):
+    job: Job  # as it now is
+    due: list[tuple[int, uuid.UUID, datetime]] = []  # (shard_id, job_id, due) for the notify
+
+
+async def update_job(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, *,
+                     versions: set[int], new: NewJob, schedule_changed: bool,
+                     revised_by: str, changes: str, now: datetime) -> Updated:
+    """Apply a validated PATCH if the job is still at one of `versions`, with its revision.
+
+    Raises VersionMismatch if it is not (another PATCH, a pause, a completion came
+    first), Conflict if it is canceled or completed. A schedule change moves the
+    pending occurrence's due row and jobs.next_run_at in this one transaction. A
+    cron job with overlap forbid whose occurrence is running has no due row: its
+    successor is computed, from the new schedule, when that occurrence ends.
+    """
+    return await retrying(lambda: _update_once(db, tenant_id, job_id, versions, new,
+                                               schedule_changed, revised_by, changes, now))
+
+
+async def _update_once(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, versions: set[int],
+                       new: NewJob, schedule_changed: bool, revised_by: str, changes: str,
+                       now: datetime) -> Updated:
+    async with db.transaction() as conn:
+        await conn.execute(q("lock_due_rows"), job_id)  # the dispatcher's lock order
+        row = await conn.fetchrow(q("lock_job"), tenant_id, job_id)
+        if row is None:
+            raise NotFound(f"job {job_id} does not exist")
+        if row["version"] not in versions:
+            raise VersionMismatch(f"the job is at version {row['version']}, not the one "
+                                  "If-Match names", row["version"])
+        if row["state"] in ("canceled", "completed"):
+            raise Conflict(f"a {row['state']} job cannot be changed")
+        due: list[tuple[int, uuid.UUID, datetime]] = []
+        if schedule_changed:
+            pending = await conn.fetch(q("take_due_occurrences"), job_id)
+            forbid_running = (not pending and row["next_run_at"] is not None
+                              and _schedule_decoder.decode(row["schedule"]).cron is not None)
+            if row["state"] == "active" and not forbid_running:
+                await conn.execute(q("insert_due"), new.shard_id, due_minute(new.next_run_at),
+                                   new.next_run_at, job_id)
+                due.append((new.shard_id, job_id, new.next_run_at))
+        updated = await conn.fetchrow(
+            q("update_job"), tenant_id, job_id, new.name, new.target_type, new.target_ref,
+            new.pool, new.payload, new.schedule, new.max_attempts, new.backoff_s, new.timeout_s,
+            new.labels, schedule_changed, new.next_run_at, now, new.dry_run)
+        await conn.execute(q("insert_revision"), job_id, updated["version"], tenant_id, now,
+                           revised_by, changes)
+        return Updated(job=job_from_row(updated), due=due)
+
+
+_REVISION_CURSOR = "r1."
+_MAX_VERSION = 2**31 - 1
+_changes_decoder = msgspec.json.Decoder(dict[str, FieldChange])
+
+
+def encode_revision_cursor(version: int) -> str:
+    return f"{_REVISION_CURSOR}{version}"
+
+
+def decode_revision_cursor(cursor: str) -> int:
+    """Raises ValueError for anything that is not a cursor we issued."""
+    body = cursor[len(_REVISION_CURSOR):]
+    if (not cursor.startswith(_REVISION_CURSOR) or not body.isascii() or not body.isdigit()
+            or body.startswith("0") or not 1 <= int(body) <= _MAX_VERSION):
+        raise ValueError("not a cursor of this API")
+    return int(body)
+
+
+async def job_revisions(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID,
+                        before: int | None, limit: int) -> tuple[list[Revision], str | None]:
+    async with db.connection() as conn:
+        rows = await conn.fetch(q("job_revisions"), job_id, tenant_id, before, limit + 1)
+    items = [Revision(version=r["version"], revised_at=r["revised_at"],
+                      revised_by=r["revised_by"], changes=_changes_decoder.decode(r["changes"]))
+             for r in rows[:limit]]
+    more = len(rows) > limit
+    return items, encode_revision_cursor(items[-1].version) if more else None

@@ -7,7 +7,9 @@ from datetime import datetime
 
 import msgspec
 
+from herdwick import schedule as sched
 from herdwick.storage.db import Database
+from herdwick.storage.hot import ReadyExecution
 from herdwick.storage.sql import q
 
 
@@ -30,6 +32,22 @@ async def unfinished(db: Database, queued_before: datetime, limit: int) -> list[
     async with db.connection() as conn:
         rows = await conn.fetch(q("unfinished_executions"), queued_before, limit)
     return [Unfinished(**dict(r)) for r in rows]
+
+
+async def queued_of_jobs(db: Database, job_ids: list[uuid.UUID],
+                         since: datetime) -> list[Unfinished]:
+    async with db.connection() as conn:
+        rows = await conn.fetch(q("queued_of_jobs"), job_ids, since)
+    return [Unfinished(**dict(r)) for r in rows]
+
+
+def ready(row: Unfinished, attempt: int) -> ReadyExecution:
+    """The ready-stream fields of `row` at `attempt`."""
+    return ReadyExecution(
+        execution_id=str(row.execution_id), attempt=attempt, job_id=str(row.job_id),
+        tenant_id=str(row.tenant_id), scheduled_for=sched.format_utc(row.scheduled_for),
+        payload=row.payload, timeout_seconds=row.timeout_s, max_attempts=row.max_attempts,
+        backoff_ms=round(row.backoff_s * 1000), target=row.target)
 
 
 async def bump(db: Database, rows: list[Unfinished], now: datetime | None) -> dict[uuid.UUID, int]:

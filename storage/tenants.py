@@ -32,7 +32,7 @@ async def create_tenant(db: Database, spec: TenantSpec, now: datetime) -> Tenant
     async with db.connection() as conn:
         await conn.execute(
             q("create_tenant"), tenant_id, spec.name, spec.weight, spec.dispatch_rate,
-            spec.max_active_jobs, secret, hash_api_key(api_key), now, spec.burst)
+            spec.max_active_jobs, secret, hash_api_key(api_key), now, spec.burst, spec.dry_run)
     return TenantCreated(tenant_id=tenant_id, api_key=api_key, signing_secret=secret)
 
 
@@ -48,7 +48,8 @@ async def owner_of_key(db: Database, api_key: str) -> KeyOwner | None:
 def _tenant(row: asyncpg.Record) -> Tenant:
     return Tenant(tenant_id=row["tenant_id"], name=row["name"], weight=row["weight"],
                   dispatch_rate=row["dispatch_rate"], burst=row["burst"],
-                  max_active_jobs=row["max_active_jobs"], created_at=row["created_at"],
+                  max_active_jobs=row["max_active_jobs"], dry_run=row["dry_run"],
+                  created_at=row["created_at"],
                   updated_at=row["updated_at"])
 
 
@@ -65,7 +66,7 @@ async def patch_tenant(db: Database, tenant_id: uuid.UUID, patch: TenantPatch) -
         return (False, None) if value is msgspec.UNSET else (True, value)
 
     args = (*field(patch.weight), *field(patch.dispatch_rate), *field(patch.max_active_jobs),
-            *field(patch.burst))
+            *field(patch.burst), *field(patch.dry_run))
     async with db.connection() as conn:
         row = await conn.fetchrow(q("patch_tenant"), tenant_id, *args)
     if row is None:

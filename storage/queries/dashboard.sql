@@ -7,7 +7,8 @@ LIMIT $2;
 
 -- name: dashboard_hour
 -- Per tenant, over the executions scheduled in [$1, $2) (the range keeps the scan to
--- the partitions of that span; skipped occurrences never ran and are left out): the
+-- the partitions of that span; skipped and dry-run occurrences never ran and are left
+-- out): the
 -- whole span's row (minute NULL) and one row a minute ($1 is a whole minute). $3: one
 -- tenant or NULL for all. Lags in seconds, their percentiles over what has one:
 -- queue lag is queued_at - scheduled_for of executions still on their first attempt
@@ -20,7 +21,7 @@ WITH recent AS (
                AS queue_lag_s,
            extract(epoch FROM started_at - scheduled_for) AS start_lag_s
     FROM executions
-    WHERE scheduled_for >= $1 AND scheduled_for < $2 AND state <> 'skipped'
+    WHERE scheduled_for >= $1 AND scheduled_for < $2 AND state NOT IN ('skipped', 'dry_run')
       AND ($3::uuid IS NULL OR tenant_id = $3)
 )
 SELECT tenant_id, minute, count(*) AS executions,
@@ -49,7 +50,8 @@ WITH recent AS (
     LEFT JOIN execution_attempts a
       ON a.execution_id = e.execution_id AND a.attempt = e.attempt
      AND a.scheduled_for = e.scheduled_for
-    WHERE e.scheduled_for >= $1 AND e.scheduled_for < $2 AND e.state <> 'skipped'
+    WHERE e.scheduled_for >= $1 AND e.scheduled_for < $2
+      AND e.state NOT IN ('skipped', 'dry_run')
       AND e.queued_at IS NOT NULL AND ($3::uuid IS NULL OR e.tenant_id = $3)
 ), moves AS (
     SELECT tenant_id, queued_at AS at, 1 AS delta FROM recent

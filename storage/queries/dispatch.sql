@@ -15,7 +15,8 @@ LIMIT $3;
 -- a node whose lease was taken writes nothing for that shard, however long
 -- it was paused). Then deletes the due rows of the held shards - the delete
 -- is the claim: a row already gone (paused, canceled, dispatched) is not
--- dispatched - and returns each claimed row with what dispatch needs of its job.
+-- dispatched - and returns each claimed row with what dispatch needs of its job
+-- (dry_run: the job's flag or its tenant's).
 -- Always returns at least one row, whose `held` lists the held shards.
 WITH held AS (
     SELECT l.shard_id
@@ -37,9 +38,11 @@ SELECT (SELECT coalesce(array_agg(shard_id), '{}') FROM held) AS held,
        c.shard_id, c.next_run_at, c.job_id, c.execution_id, c.scheduled_for, c.attempt,
        j.tenant_id, j.pool, j.payload::text AS payload, j.schedule::text AS schedule,
        j.timeout_s, j.state, j.max_attempts, j.backoff_s,
-       CASE WHEN j.target_type = 'http' THEN j.target_ref ELSE '' END AS target
+       CASE WHEN j.target_type = 'http' THEN j.target_ref ELSE '' END AS target,
+       j.dry_run OR t.dry_run AS dry_run
 FROM (SELECT 1) AS one
-LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id) ON true;
+LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id
+           JOIN tenants t ON t.tenant_id = j.tenant_id) ON true;
 
 -- name: finish_dispatch
 -- Step 2, same transaction: creates the occurrences' executions (once per
@@ -47,7 +50,10 @@ LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id) ON true;
 -- recorded, not lost), inserts each cron job's next due row, moves
 -- jobs.next_run_at, and re-queues retries of existing executions. Returns
 -- what to publish: the queued executions this call created or re-queued, with
--- the attempts each had deferred (which raise its attempt limit).
+-- the attempts each had deferred (which raise its attempt limit). A dry run's
+-- occurrence is recorded as a finished 'dry_run' execution (queued_at and
+-- finished_at: when it would have been published) and published never; a
+-- one-off dry run is completed by its occurrence.
 -- A retry (attempt > 1) of a paused job is not re-queued: its row goes back
 -- into the due index parked (due_minute 'infinity', beyond every load's
 -- range) for resume to restore (unpark_due_retries); the execution stays in
@@ -60,11 +66,17 @@ WITH new_exec AS (
     INSERT INTO executions (execution_id, job_id, tenant_id, scheduled_for, attempt, state,
                             queued_at, finished_at)
     SELECT x.execution_id, x.job_id, x.tenant_id, x.scheduled_for, 1, x.state, coalesce($1, now()),
-           CASE WHEN x.state = 'skipped' THEN coalesce($1, now()) END
+           CASE WHEN x.state IN ('skipped', 'dry_run') THEN coalesce($1, now()) END
     FROM unnest($2::uuid[], $3::uuid[], $4::uuid[], $5::timestamptz[], $6::text[])
          AS x(execution_id, job_id, tenant_id, scheduled_for, state)
     ON CONFLICT (job_id, scheduled_for) DO NOTHING
     RETURNING execution_id, job_id, scheduled_for, attempt, state
+), dry_one_offs AS (
+    UPDATE jobs j SET state = 'completed', next_run_at = NULL, version = version + 1,
+                      updated_at = coalesce($1, now())
+    FROM new_exec x
+    WHERE x.state = 'dry_run' AND j.job_id = x.job_id AND j.next_run_at = x.scheduled_for
+      AND j.state = 'active' AND j.schedule->>'cron' IS NULL
 ), next_due AS (
     INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)
     SELECT * FROM unnest($7::smallint[], $8::timestamptz[], $9::timestamptz[], $10::uuid[])
@@ -123,7 +135,8 @@ RETURNING e.execution_id, e.job_id;
 -- recorded, not retried for ever. A new occurrence becomes a dead execution
 -- carrying the error ($7, JSON), at its due time when that is a finite time,
 -- else at $1; a retry's execution goes dead with it. A one-off job is then
--- completed; a cron job keeps its state but has no next run until it is
+-- completed if the row was its scheduled occurrence (a new one, or a retry of
+-- the execution at its next_run_at; not a trigger's); a cron job keeps its state but has no next run until it is
 -- changed or resumed (its dead execution says why).
 WITH f AS (
     SELECT * FROM unnest($2::uuid[], $3::uuid[], $4::timestamptz[], $5::uuid[], $6::uuid[],
@@ -146,9 +159,11 @@ WITH f AS (
       AND e.state = 'retry_wait'
     RETURNING e.job_id
 ), one_offs AS (
-    UPDATE jobs SET state = 'completed', next_run_at = NULL, version = version + 1,
-                    updated_at = coalesce($1, now())
-    WHERE job_id IN (SELECT job_id FROM f) AND state = 'active' AND schedule->>'cron' IS NULL
+    UPDATE jobs j SET state = 'completed', next_run_at = NULL, version = version + 1,
+                      updated_at = coalesce($1, now())
+    WHERE j.job_id IN (SELECT job_id FROM f
+                       WHERE execution_id IS NULL OR scheduled_for = j.next_run_at)
+      AND j.state = 'active' AND j.schedule->>'cron' IS NULL
 ), crons AS (
     UPDATE jobs SET next_run_at = NULL, updated_at = coalesce($1, now())
     WHERE job_id IN (SELECT job_id FROM f WHERE execution_id IS NULL)

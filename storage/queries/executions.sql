@@ -3,7 +3,9 @@
 -- execution's final state in the batch (collapsed in Python, since one
 -- statement may touch a row once), fenced by attempt and only ever moved
 -- forward, so a replayed or stale event changes nothing; one row per
--- attempt; a retry's due row; one-offs that finished are completed. A
+-- attempt; a retry's due row; one-offs whose scheduled occurrence finished
+-- are completed (an execution at the job's next_run_at: a trigger's extra
+-- execution, at another instant, leaves the job active and its occurrence due). A
 -- finished occurrence of a forbid-overlap cron job is left out unless $24
 -- (its successor is computed in Python, in one transaction with its
 -- update): `forbid` lists those jobs, `finished` the jobs whose execution
@@ -39,7 +41,11 @@ WITH u AS (  -- times arrive as Redis milliseconds
     FROM u
     WHERE e.execution_id = u.execution_id AND e.scheduled_for = u.scheduled_for
       AND e.attempt = u.attempt
-      AND e.state IN ('queued', 'running')
+      -- IS TRUE keeps the partial indexes on state (executions_unfinished, _open) out of
+      -- this join: with their predicate in the WHERE, the planner, trusting statistics
+      -- from a quiet hour (or none: a new partition), took every unfinished row of the
+      -- day (a herd's tens of thousands) to sort or hash for each batch of a thousand.
+      AND (e.state IN ('queued', 'running')) IS TRUE
       AND NOT (e.state = 'running' AND u.state = 'running')
       AND ($24 OR NOT (u.state IN ('succeeded', 'dead')
                        AND u.job_id IN (SELECT job_id FROM forbid)))
@@ -85,10 +91,12 @@ WITH u AS (  -- times arrive as Redis milliseconds
     ON CONFLICT DO NOTHING
     RETURNING 1
 ), completed AS (
-    UPDATE jobs SET state = 'completed', next_run_at = NULL, version = version + 1,
-                    updated_at = coalesce($23, now())
-    WHERE job_id IN (SELECT job_id FROM moved WHERE state IN ('succeeded', 'dead'))
-      AND state = 'active' AND schedule->>'cron' IS NULL
+    UPDATE jobs j SET state = 'completed', next_run_at = NULL, version = version + 1,
+                      updated_at = coalesce($23, now())
+    FROM (SELECT DISTINCT job_id, scheduled_for FROM moved
+          WHERE state IN ('succeeded', 'dead')) m
+    WHERE j.job_id = m.job_id AND j.next_run_at = m.scheduled_for
+      AND j.state = 'active' AND j.schedule->>'cron' IS NULL
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM moved) AS changed,
@@ -97,6 +105,14 @@ SELECT (SELECT count(*) FROM moved) AS changed,
        (SELECT coalesce(array_agg(job_id), '{}') FROM forbid) AS forbid,
        (SELECT coalesce(array_agg(job_id), '{}') FROM moved
         WHERE state IN ('succeeded', 'dead')) AS finished;
+
+-- name: plan_events_by_key
+-- In apply_events' transaction, before it: each execution, job and attempt it touches is
+-- found by its key, one index probe a row, whatever the statistics say. The planner
+-- otherwise prices a thousand probes above one scan of the day's partition (or of what
+-- stale statistics call a handful of unfinished rows), which makes a batch cost grow with
+-- the day's executions rather than with the batch.
+SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; SET LOCAL enable_seqscan = off;
 
 -- name: insert_retry_due
 -- A failed attempt with retries left comes back through the due index.
@@ -121,6 +137,15 @@ FROM executions e JOIN jobs j USING (job_id)
 WHERE e.state IN ('queued', 'running') AND e.queued_at <= $1
 ORDER BY e.queued_at
 LIMIT $2;
+
+-- name: queued_of_jobs
+-- Dispatch, after a transaction whose outcome it could not learn (the connection died
+-- around its COMMIT): these jobs' executions queued since $2, to publish as they are.
+SELECT e.execution_id, e.job_id, e.tenant_id, e.scheduled_for, e.attempt, e.state,
+       j.pool, j.payload::text AS payload, j.timeout_s, j.max_attempts + e.deferrals AS max_attempts,
+       j.backoff_s, CASE WHEN j.target_type = 'http' THEN j.target_ref ELSE '' END AS target
+FROM executions e JOIN jobs j USING (job_id)
+WHERE e.job_id = ANY($1::uuid[]) AND e.state = 'queued' AND e.queued_at >= $2;
 
 -- name: bump_attempts
 -- Sweeper: republish with attempt + 1, which fences out any worker still
@@ -149,7 +174,8 @@ SELECT execution_id, attempt FROM bumped;
 -- name: fail_executions
 -- Executions an actor could not process (the sweeper could not republish one,
 -- say): dead with the error $4 (JSON), fenced by attempt, and a one-off job
--- completed, so the row stops coming back and its owner can read why.
+-- completed when this was its scheduled occurrence (not a trigger's), so the
+-- row stops coming back and its owner can read why.
 WITH failed AS (
     UPDATE executions e SET state = 'dead', finished_at = coalesce($5, now()),
                             error = $4::jsonb, lease_owner = NULL, lease_until = NULL
@@ -157,12 +183,14 @@ WITH failed AS (
          AS f(execution_id, scheduled_for, attempt)
     WHERE e.execution_id = f.execution_id AND e.scheduled_for = f.scheduled_for
       AND e.attempt = f.attempt AND e.state IN ('queued', 'running')
-    RETURNING e.job_id
+    RETURNING e.job_id, e.scheduled_for
 ), completed AS (
-    UPDATE jobs SET state = 'completed', next_run_at = NULL, version = version + 1,
-                    updated_at = coalesce($5, now())
-    WHERE job_id IN (SELECT job_id FROM failed) AND state = 'active'
-      AND schedule->>'cron' IS NULL
+    UPDATE jobs j SET state = 'completed', next_run_at = NULL, version = version + 1,
+                      updated_at = coalesce($5, now())
+    FROM (SELECT DISTINCT job_id, scheduled_for FROM failed) f
+    WHERE j.job_id = f.job_id AND j.state = 'active' AND j.schedule->>'cron' IS NULL
+      -- a time that is not finite is no trigger's, and most likely why it failed
+      AND (j.next_run_at = f.scheduled_for OR NOT isfinite(f.scheduled_for))
 )
 SELECT count(*) FROM failed;
 

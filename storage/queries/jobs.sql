@@ -37,13 +37,16 @@ WITH herd AS (
     SELECT ($2::text IS NULL OR EXISTS (SELECT 1 FROM idem)) AS ok
 ), new_jobs AS (
     INSERT INTO jobs (job_id, tenant_id, name, target_type, target_ref, pool, payload, schedule,
-                      max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at)
+                      max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at,
+                      labels, dry_run)
     SELECT j.job_id, $1, j.name, j.target_type, j.target_ref, j.pool, j.payload::jsonb,
-           j.schedule::jsonb, j.max_attempts, j.backoff_s, j.timeout_s, 'active', j.next_run_at, $5, $5
+           j.schedule::jsonb, j.max_attempts, j.backoff_s, j.timeout_s, 'active', j.next_run_at, $5, $5,
+           j.labels::jsonb, j.dry_run
     FROM unnest($7::uuid[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
-                $13::text[], $14::integer[], $15::float8[], $16::integer[], $17::timestamptz[])
+                $13::text[], $14::integer[], $15::float8[], $16::integer[], $17::timestamptz[],
+                $26::text[], $27::boolean[])
          AS j(job_id, name, target_type, target_ref, pool, payload, schedule,
-              max_attempts, backoff_s, timeout_s, next_run_at)
+              max_attempts, backoff_s, timeout_s, next_run_at, labels, dry_run)
     WHERE (SELECT ok FROM go)
     RETURNING 1
 ), new_due AS (
@@ -71,7 +74,8 @@ WHERE ctid IN (SELECT ctid FROM idempotency_keys WHERE expires_at < $1 LIMIT $2)
 
 -- name: get_job
 SELECT job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,
-       max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at, version
+       max_attempts, backoff_s, timeout_s, labels::text AS labels, dry_run, state, next_run_at,
+       created_at, updated_at, version
 FROM jobs WHERE tenant_id = $1 AND job_id = $2;
 
 -- name: lock_due_rows
@@ -81,22 +85,30 @@ SELECT 1 FROM due_index WHERE job_id = $1 FOR UPDATE;
 -- name: lock_job
 -- The job row, locked for a state transition.
 SELECT job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,
-       max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at, version
+       max_attempts, backoff_s, timeout_s, labels::text AS labels, dry_run, state, next_run_at,
+       created_at, updated_at, version
 FROM jobs WHERE tenant_id = $1 AND job_id = $2
 FOR UPDATE;
 
 -- name: list_jobs
 -- Newest first, keyset-paginated on job_id (UUIDv7, so creation order).
 -- $2: state filter or NULL; $3: cursor (exclusive) or NULL; $5: text the name
--- holds, in any case, or NULL (no index serves it: the tenant's jobs are read
--- newest first until a page of them matches).
+-- holds, in any case, or NULL (the dashboard's search; no index serves it: the
+-- tenant's jobs are read newest first until a page of them matches); $6: the
+-- exact name or NULL (jobs_tenant_name_page); $7: labels the job must carry, as
+-- {"<tenant_id>": {key: value, ...}} (JSON text) or NULL: the expression
+-- jobs_tenant_labels indexes, so the GIN index finds this tenant's jobs with
+-- every pair, and the planner picks it over the page index when it is selective.
 SELECT job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,
-       max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at, version
+       max_attempts, backoff_s, timeout_s, labels::text AS labels, dry_run, state, next_run_at,
+       created_at, updated_at, version
 FROM jobs
 WHERE tenant_id = $1
   AND ($2::text IS NULL OR state = $2)
   AND ($3::uuid IS NULL OR job_id < $3)
   AND ($5::text IS NULL OR strpos(lower(name), lower($5)) > 0)
+  AND ($6::text IS NULL OR name = $6)
+  AND ($7::jsonb IS NULL OR jsonb_set('{}', ARRAY[tenant_id::text], labels) @> $7::jsonb)
 ORDER BY job_id DESC
 LIMIT $4;
 
@@ -105,7 +117,8 @@ LIMIT $4;
 UPDATE jobs SET state = $3, next_run_at = $4, version = version + 1, updated_at = $5
 WHERE tenant_id = $1 AND job_id = $2
 RETURNING job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,
-          max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, updated_at, version;
+          max_attempts, backoff_s, timeout_s, labels::text AS labels, dry_run, state, next_run_at,
+       created_at, updated_at, version;
 
 -- name: delete_due_occurrences
 -- Takes a job's pending occurrences out of the due index (pause). Its retries
@@ -138,3 +151,33 @@ INSERT INTO executions (execution_id, job_id, tenant_id, scheduled_for, attempt,
 SELECT s.execution_id, $2, $3, s.scheduled_for, 1, 'skipped', $5, $5
 FROM unnest($1::uuid[], $4::timestamptz[]) AS s(execution_id, scheduled_for)
 ON CONFLICT (job_id, scheduled_for) DO NOTHING;
+
+-- name: take_due_occurrences
+-- A schedule change: the job's pending occurrence leaves the due index (its
+-- retries stay); returns what it took, so the caller knows one was pending.
+DELETE FROM due_index WHERE job_id = $1 AND execution_id IS NULL
+RETURNING next_run_at;
+
+-- name: update_job
+-- A PATCH, by a caller holding the row lock (lock_job): every patchable field
+-- as validated, next_run_at only when the schedule changed ($13).
+UPDATE jobs SET name = $3, target_type = $4, target_ref = $5, pool = $6, payload = $7::jsonb,
+                schedule = $8::jsonb, max_attempts = $9, backoff_s = $10, timeout_s = $11,
+                labels = $12::jsonb, next_run_at = CASE WHEN $13 THEN $14 ELSE next_run_at END,
+                dry_run = $16, version = version + 1, updated_at = $15
+WHERE tenant_id = $1 AND job_id = $2
+RETURNING job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,
+          max_attempts, backoff_s, timeout_s, labels::text AS labels, dry_run, state, next_run_at,
+          created_at, updated_at, version;
+
+-- name: insert_revision
+INSERT INTO job_revisions (job_id, version, tenant_id, revised_at, revised_by, changes)
+VALUES ($1, $2, $3, $4, $5, $6::jsonb);
+
+-- name: job_revisions
+-- A job's revisions, newest first, keyset-paginated on version ($3, exclusive).
+SELECT version, revised_at, revised_by, changes::text AS changes
+FROM job_revisions
+WHERE job_id = $1 AND tenant_id = $2 AND ($3::integer IS NULL OR version < $3)
+ORDER BY version DESC
+LIMIT $4;

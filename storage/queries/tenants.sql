@@ -2,8 +2,8 @@
 -- Inserts a tenant and its first API key (hash only) in one statement.
 WITH t AS (
     INSERT INTO tenants (tenant_id, name, weight, dispatch_rate, max_active_jobs, signing_secret,
-                         created_at, updated_at, burst)
-    VALUES ($1, $2, $3, $4, $5, $6, $8, $8, $9)
+                         created_at, updated_at, burst, dry_run)
+    VALUES ($1, $2, $3, $4, $5, $6, $8, $8, $9, $10)
     RETURNING tenant_id
 )
 INSERT INTO api_keys (key_hash, tenant_id, created_at)
@@ -16,7 +16,8 @@ FROM api_keys k JOIN tenants t USING (tenant_id)
 WHERE k.key_hash = $1 AND k.revoked_at IS NULL;
 
 -- name: get_tenant
-SELECT tenant_id, name, weight, dispatch_rate, burst, max_active_jobs, created_at, updated_at
+SELECT tenant_id, name, weight, dispatch_rate, burst, max_active_jobs, dry_run, created_at,
+       updated_at
 FROM tenants WHERE tenant_id = $1;
 
 -- name: patch_tenant
@@ -27,9 +28,11 @@ UPDATE tenants SET
     dispatch_rate   = CASE WHEN $4 THEN $5 ELSE dispatch_rate END,
     max_active_jobs = CASE WHEN $6 THEN $7 ELSE max_active_jobs END,
     burst           = CASE WHEN $8 THEN $9 ELSE burst END,
+    dry_run         = CASE WHEN $10 THEN $11 ELSE dry_run END,
     updated_at      = greatest(clock_timestamp(), updated_at + interval '1 microsecond')
 WHERE tenant_id = $1
-RETURNING tenant_id, name, weight, dispatch_rate, burst, max_active_jobs, created_at, updated_at;
+RETURNING tenant_id, name, weight, dispatch_rate, burst, max_active_jobs, dry_run, created_at,
+          updated_at;
 
 -- name: tenant_limits_since
 -- What the schedulers' fair queues need of each tenant, changed after $1 (all when NULL).

@@ -108,9 +108,13 @@ class Dev:
         try:
             return await self.exit_code(within_s)
         except TimeoutError:
-            tail = "\n".join(self.stderr[-30:])
-            raise AssertionError(f"dev did not stop within {within_s} s; its log:\n{tail}") \
-                from None
+            since = len(self.stderr)
+            self.proc.send_signal(signal.SIGUSR2)  # where its tasks wait (herdwick/cli.py)
+            await asyncio.sleep(2.0)
+            dump = "\n".join(self.stderr[since:]) or "(no task dump: its event loop is blocked)"
+            tail = "\n".join(self.stderr[max(0, since - 30):since])
+            raise AssertionError(f"dev did not stop within {within_s} s; its log:\n{tail}\n"
+                                 f"its tasks:\n{dump}") from None
 
     async def wait_for_stderr(self, pattern: str, count: int = 1) -> None:
         async with asyncio.timeout(WAIT_S), self._new_stderr:
@@ -402,9 +406,15 @@ async def test_dev_delivers_an_http_job_signed_with_the_tenant_s_secret(
 async def test_sigterm_stops_dev_promptly_with_exit_code_0(start_dev, external) -> None:
     dev = await start_dev(**external)
     await dev.banner()
+    # SIGUSR2 only logs where its tasks wait (docs/operations.md); it keeps running.
+    dev.proc.send_signal(signal.SIGUSR2)
+    await dev.wait_for_stderr("event=tasks_dumped")
+    await dev.wait_for_stderr("--- ")
+    assert dev.proc.returncode is None
     began = time.monotonic()
     assert await dev.stop(signal.SIGTERM) == 0
     assert time.monotonic() - began < STOP_BOUND_S
+    assert any("event=stopping signal=SIGTERM" in line for line in dev.stderr)
     assert dev.logged_exceptions() == 0
 
 

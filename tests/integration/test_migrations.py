@@ -16,7 +16,7 @@ from tests.services import Services, with_database
 EXPECTED_TABLES = {
     "tenants", "api_keys", "jobs", "idempotency_keys", "due_index", "executions",
     "execution_attempts", "shard_leases", "scheduler_nodes", "schema_migrations",
-    "retention_archives",
+    "retention_archives", "job_revisions",
 }
 
 

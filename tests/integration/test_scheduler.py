@@ -312,3 +312,83 @@ async def test_a_dispatch_that_fails_settles_every_batch_it_had_drained(
     with pytest.raises(Exception):  # noqa: B017 - whatever the driver raises, it goes on up
         await actor.handle(dues[0])
     assert sorted(d.items[0] for d in settled) == [0, 1, 2]
+
+
+async def test_a_dispatch_whose_commit_answer_was_lost_publishes_what_it_committed(
+        api, schedulers, redis_client, key_prefix, clock, db, monkeypatch) -> None:
+    """The connection dies after Postgres took the COMMIT: the rows are gone from due_index
+    and the executions queued, but the dispatcher saw only an error. It publishes them as
+    they are (attempt 1) once Postgres answers, not after the sweeper's grace."""
+    from herdwick.errors import StorageUnavailable
+    from herdwick.storage import dispatch as store
+
+    real = store.dispatch
+    lost: list[int] = []
+
+    async def commit_then_lose_the_answer(*args, **kwargs):
+        result = await real(*args, **kwargs)
+        if not lost and result.queued:
+            lost.append(len(result.queued))
+            raise StorageUnavailable("postgres unavailable: the answer to COMMIT was lost")
+        return result
+
+    monkeypatch.setattr(store, "dispatch", commit_then_lose_the_answer)
+    job = await submit(api, schedule={"delaySeconds": 30})
+    node = await schedulers()
+    await node.settle()
+    await advance(clock, 30, node)
+    for _ in range(50):  # the dispatcher's restart backoff runs on real time
+        await node.settle()
+        if await ready(redis_client, key_prefix):
+            break
+        await asyncio.sleep(0.05)
+    assert lost == [1]
+    [entry] = await ready(redis_client, key_prefix)
+    assert (entry["job_id"], entry["attempt"]) == (job["jobId"], "1")
+    assert sum(d.resolved for d in node.dispatchers) == 1
+    async with db.connection() as conn:
+        execution = await conn.fetchrow("SELECT * FROM executions WHERE job_id = $1",
+                                        job["jobId"])
+        assert (execution["state"], execution["attempt"]) == ("queued", 1)
+        assert str(execution["execution_id"]) == entry["execution_id"]
+        assert await conn.fetchval("SELECT count(*) FROM due_index") == 0
+    await advance(clock, 60, node)  # nothing more is in doubt: published once
+    await node.settle()
+    assert len(await ready(redis_client, key_prefix)) == 1
+
+
+async def test_work_in_doubt_waits_for_postgres_and_what_did_not_commit_is_not_published(
+        db_url, clock) -> None:
+    """While Postgres is away the doubt stays (each idle pass asks again and fails); a
+    batch that never committed has no queued execution, so nothing is published."""
+    from herdwick.actors import dispatcher as dispatching
+    from herdwick.actors.messages import Due
+    from herdwick.storage.db import Database
+    from herdwick.storage.dispatch import DueKey
+
+    gone = await Database.connect(db_url)
+    await gone.close()
+    published: list = []
+
+    async def publish(pool: str, publish) -> None:
+        published.extend(publish.items)
+
+    async def lease_lost(lost) -> None:
+        raise AssertionError("nothing was fenced")
+
+    actor = dispatching.DispatchActor(db=gone, node_id="n", clock=clock, publish=publish,
+                                      lease_lost=lease_lost)
+    due = Due("emails", {7: 1}, [DueKey(7, clock.now(), uuid.uuid4())], [0], 1)
+    with pytest.raises(Exception):  # noqa: B017 - whatever the driver raises, it goes on up
+        await actor.handle(due)
+    assert actor.idle_timeout() == dispatching.IN_DOUBT_RETRY_S
+    with pytest.raises(Exception):  # noqa: B017
+        await actor.handle(None)
+    assert actor.idle_timeout() == dispatching.IN_DOUBT_RETRY_S  # still in doubt
+    actor._db = await Database.connect(db_url)  # Postgres is back
+    try:
+        await actor.handle(None)
+    finally:
+        await actor._db.close()
+    assert actor.idle_timeout() is None
+    assert published == [] and actor.resolved == 0
