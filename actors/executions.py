@@ -48,6 +48,12 @@ LANES = 2
 # scheduler's executions so wait this long, not the 30 s this was, to show their outcomes.
 STALE_MS = 10_000
 IDLE_POLL_S = 0.05  # after an empty pass; a busy stream is read back to back
+# A read at least this large is a busy stream: its `leased` events whose attempt has no
+# later event in the read wait for the next read, which comes at once and most often
+# holds the attempt's outcome, so the two become one update of the execution (and one
+# insert of its attempt) instead of two of each. Held once at most; a smaller read,
+# as in a quiet hour, applies its leases at once.
+CARRY_MIN_EVENTS = BATCH_EVENTS // 4
 _schedule_decoder = msgspec.json.Decoder(Schedule)
 _encode = msgspec.json.Encoder().encode
 
@@ -124,6 +130,14 @@ def collapse(events: list[Event]) -> tuple[list[ExecutionUpdate], list[AttemptRo
     return list(updates.values()), list(attempts.values())
 
 
+def lone_leases(events: list[tuple[str, Event]]) -> list[tuple[str, Event]]:
+    """The `leased` events whose attempt has no other event in the batch, in stream order."""
+    seen: collections.Counter = collections.Counter(
+        (e.execution_id, e.attempt) for _, e in events)
+    return [(p, e) for p, e in events
+            if e.type == "leased" and seen[(e.execution_id, e.attempt)] == 1]
+
+
 def stale_calls(events: list[Event]) -> list[StaleCall]:
     """The batch's refused calls from lapsed or replaced attempts (rare: usually none)."""
     return [StaleCall(execution_id=e.execution_id,
@@ -193,7 +207,9 @@ class ExecutionEvents(Actor):
     read and folded, so Postgres and this process work at once; run_once
     starts a batch only after the one before it committed. A batch commits
     in LANES transactions at once, split by execution id, so one execution's
-    events still apply in stream order. (Tests call run_once beside the
+    events still apply in stream order. On a busy stream an attempt's lone
+    `leased` event waits one read for its outcome (CARRY_MIN_EVENTS), so most
+    executions are written once, not twice. (Tests call run_once beside the
     actor's own loop; every write is fenced and moves state only forward, so
     two callers' batches may commit in any order.)
     """
@@ -212,6 +228,9 @@ class ExecutionEvents(Actor):
         self._busy = False
         self._replay = True
         self._committing: list[asyncio.Task] = []  # oldest first
+        # Lone `leased` events of the last read, applied with the next (run_once writes
+        # and reads it); their entries are acked only then, so a crash replays them.
+        self._carried: list[tuple[str, Event]] = []
         self._density: dict[str, float] = {}  # pool -> events an entry, smoothed
         self.applied = 0  # events applied; read by tests and reports
         self.stale_recorded = 0  # possible duplicates recorded; read by tests
@@ -222,6 +241,7 @@ class ExecutionEvents(Actor):
     async def on_start(self) -> None:
         # After a (re)start, first re-read what this consumer had read but not acked.
         self._replay = True
+        self._carried = []  # unacked, so the replay reads them again
         await self.refresh_pools()
 
     async def on_stop(self) -> None:
@@ -256,19 +276,27 @@ class ExecutionEvents(Actor):
         if not self._pools:
             await self.quiesce()
             return 0
+        replayed = False
         if self._replay:  # "0" re-reads our own unacked entries: the batch in flight too
             await self.quiesce()
+            self._carried = []
             events = await self._read("0")
-            self._replay = bool(events)
+            replayed = self._replay = bool(events)
             if not events:
                 events = await self._read(">")
         else:
             events = await self._read(">")
+        carried = [] if replayed or len(events) < CARRY_MIN_EVENTS else lone_leases(events)
+        if carried:
+            held = {id(e) for _, e in carried}
+            events = [pe for pe in events if id(pe[1]) not in held]
+        events, self._carried = self._carried + events, carried
         lanes = [self._fold(lane) for lane in _lanes(events)]
         await self.quiesce()
         if events:
-            self._committing.append(asyncio.create_task(self._commit(events, lanes)))
-        return len(events)
+            hold = frozenset(e.stream_id for _, e in carried)
+            self._committing.append(asyncio.create_task(self._commit(events, lanes, hold)))
+        return len(events) + len(carried)
 
     async def _read(self, from_id: str) -> list[tuple[str, Event]]:
         events: list[tuple[str, Event]] = []
@@ -307,11 +335,13 @@ class ExecutionEvents(Actor):
         return _Folded(updates, attempts, None if self._db_now else now, now,
                        stale_calls(events))
 
-    async def _commit(self, events: list[tuple[str, Event]], lanes: list[_Folded]) -> None:
+    async def _commit(self, events: list[tuple[str, Event]], lanes: list[_Folded],
+                      hold: frozenset[str] = frozenset()) -> None:
         """Apply the lanes at once, then ack: a crash before the ack replays, harmlessly.
 
         Acks wait for every lane: the events of one entry (a batch call's) may
-        be split over lanes.
+        be split over lanes. Entries in `hold` have events carried to the next
+        batch, which acks them.
         """
         await asyncio.gather(*(self._apply(f) for f in lanes))
         stale = [c for f in lanes for c in f.stale]
@@ -323,7 +353,8 @@ class ExecutionEvents(Actor):
         export(events)
         for pool in {p for p, _ in events}:
             mine = [e for p, e in events if p == pool]
-            await self._protocol.ack_events(pool, GROUP, [e.stream_id for e in mine],
+            await self._protocol.ack_events(pool, GROUP,
+                                            [e.stream_id for e in mine if e.stream_id not in hold],
                                             [e.execution_id for e in mine if final(e)])
         self.applied += len(events)
 

@@ -67,6 +67,8 @@ from herdwick.loadtest.measure import (
 from herdwick.loadtest.outcomes import History, Outcomes, drain, history_of, uuid7_floor
 from herdwick.loadtest.report import Progress, add_report_flags, memory_line
 from herdwick.loadtest.timeline import Timeline, leases_per_second
+from herdwick.loadtest.writes import WriteProfile, after_move, profile, render_lines, snapshot
+from herdwick.loadtest.writes import inserted as writes_settled
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
 
@@ -74,6 +76,9 @@ WORKER_APP = "herdwick.loadtest.noop_worker:worker"
 
 # The tool's own statements on its scratch database, as in loadtest/measure.py.
 _XACTS_SQL = "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+# INFO calls of server_counts and the write snapshots inside the window (Redis counts
+# INFO among its commands).
+_OWN_INFO_CALLS = 4
 class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The flags' limits (those of `loadtest herd` where they share a name)."""
 
@@ -121,6 +126,9 @@ class Report(msgspec.Struct, kw_only=True):
     peak_rss_mb: dict[str, float] = {}  # by kind: the largest one process reached (VmHWM)
     # Per second from the herd's due second (else the steady start): leases and their lag.
     timeline: Timeline | None = None
+    # Rows by table, WAL and Redis commands and bytes per execution, from after the move
+    # until the processes exited (loadtest/writes.py); a steady rate's inserts included.
+    writes: WriteProfile | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -238,6 +246,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
                              metrics_port=None if port is None else port + plan.schedulers,
                              ) as workers:
         await leases_settled(db, procs, deadline)
+        await writes_settled(db, plan.jobs)  # before the window: the inserts' counters
         kinds = {"scheduler": [p.pid for p in procs], "worker": [w.pid for w in workers]}
         pid = await redis_pid(client)
         probe = KindsProbe({**kinds, **({"redis": [pid]} if pid else {})}, database_of(dsn))
@@ -249,9 +258,11 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         steady_start = datetime.now(UTC)
         steady_from = uuid7_floor(steady_start)
         due = None
+        written = await snapshot(db, client)
         if parked is not None:
             due = due_second(plan.due_in_s)
-            await move_herd(db, parked, due)
+            moved = await move_herd(db, parked, due, jobs_too=True)
+            written = await after_move(db, client, written, moved)
         background = Background(plan.rate, plan.duration_s, plan.delay_s, db,
                                 HotTier(client, prefix), tenants, factory)
         outcomes = Outcomes(db, plan.jobs, steady_from)
@@ -276,6 +287,9 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
     herd_lag, steady_lag = lags.get(False), lags.get(True)
     after_due = None if due is None else outcomes.herd_done_at - due.timestamp()
     executions = plan.jobs + background.made
+    # The processes have exited, so their backends' table counters are all flushed.
+    writes = await profile(db, written, await snapshot(db, client), executions,
+                           sampler.commands + _OWN_INFO_CALLS)
     # Each steady insert is one insert_jobs transaction and one notify PUBLISH: the
     # gateway's work (loadtest submit measures it), not the pipeline's, so it is left
     # out, like the tool's own polls and samples.
@@ -293,7 +307,8 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         redis_commands_per_execution=round(commands / executions, 3),
         history=history, cpu=cpu, peak_rss_mb=peak_rss, timeline=timeline,
         cpu_us_per_execution={kind: round(v * 1000, 1)
-                              for kind, v in cpu.per_1000(executions).items()})
+                              for kind, v in cpu.per_1000(executions).items()},
+        writes=writes)
 
 
 def _steady(plan: Plan, outcomes: Outcomes, background: Background, lag: LeaseLag) -> Steady:
@@ -351,6 +366,9 @@ def render_text(r: Report) -> str:
         "database, idle shard loads included),",
         f"    {r.redis_commands_per_execution} Redis commands (server-wide); the tool's own "
         "polls and the steady jobs' inserts left out",
+    ]
+    lines += [] if r.writes is None else render_lines(r.writes)
+    lines += [
         f"  history: {r.history.succeeded_without_start} succeeded without a start time, "
         f"{r.history.attempts_left_running} attempts left running"
         + ("" if r.history.sound else "  <- GAPS"),

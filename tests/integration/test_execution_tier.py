@@ -617,3 +617,46 @@ async def test_a_lease_applied_after_a_later_attempt_is_not_left_running(
     assert (first["outcome"], first["workerId"]) == ("expired", "w1")
     assert first["error"]["type"] == "Superseded" and first["finishedAt"] is not None
     assert (second["outcome"], second["workerId"]) == ("succeeded", "w2")
+
+
+async def test_on_a_busy_stream_a_lone_lease_waits_one_read_for_its_outcome(
+        api, schedulers, protocol, redis_client, key_prefix, clock, monkeypatch) -> None:
+    """A herd's leases and completions come in separate entries; a lease read without its
+    outcome is held for the next read (every read counts as busy here), so the execution
+    is written once. Its entry stays unacked meanwhile: a crash replays it. A lease whose
+    outcome is not in the next read either is applied then, not held again."""
+    from herdwick.actors import executions as actor
+
+    monkeypatch.setattr(actor, "CARRY_MIN_EVENTS", 1)
+    await submit(api, schedule={"delaySeconds": 1})
+    await submit(api, schedule={"delaySeconds": 1})
+    node = await schedulers()
+    await node._core.stop("execution-events")  # this test drives the actor itself
+    await due_and_published(node, clock)
+    first, second = [e["execution_id"] for e in await ready(redis_client, key_prefix)]
+    events, stream = node.events, keys.events_stream(key_prefix, POOL)
+    await events.refresh_pools()
+
+    async def pending() -> int:
+        return (await redis_client.xpending(stream, actor.GROUP))["pending"]
+
+    await protocol.lease(POOL, "w", 30, first, 1)
+    assert await events.run_once() == 1
+    await events.quiesce()
+    assert (await execution(api, first))["state"] == "queued"  # held, not written
+    assert await pending() == 1
+
+    await protocol.complete(POOL, first, 1, "w", "{}")
+    await protocol.lease(POOL, "w", 30, second, 1)
+    await events.run_once()
+    await events.quiesce()
+    found = await execution(api, first)
+    assert found["state"] == "succeeded" and found["startedAt"] is not None
+    assert found["attempts"][0]["outcome"] == "succeeded"
+    assert (await execution(api, second))["state"] == "queued"  # the second's lease is held
+
+    await events.run_once()  # nothing new: what was held is applied
+    await events.quiesce()
+    assert (await execution(api, second))["state"] == "running"
+    assert await events.run_once() == 0
+    assert await pending() == 0
