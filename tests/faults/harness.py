@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import ipaddress
 import os
 import random
 import secrets
@@ -54,15 +55,19 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
+import asyncpg
 import msgspec
 import redis.asyncio as aioredis
 
 from herdwick.actors.executions import GROUP as EVENTS_GROUP
+from herdwick.errors import StorageUnavailable
 from herdwick.gateway.submit import prepare
+from herdwick.http_worker import HTTP_POOL
 from herdwick.ids import shard_of, uuid7
 from herdwick.loadtest.driver import (
     ApiProcess,
     Child,
+    HttpWorkerProcess,
     SchedulerProcess,
     WorkerProcess,
     child_env,
@@ -78,6 +83,7 @@ from herdwick.storage.jobs import NewJob, insert_jobs
 from herdwick.storage.tenants import create_tenant
 from tests.faults import history
 from tests.faults.fault_worker import HANDLER_MS_ENV, LEASE_S_ENV
+from tests.faults.receiver import Receiver
 
 SEED_ENV = "HERDWICK_FAULT_SEED"
 POOL = "faults"
@@ -86,6 +92,11 @@ SKEWED_MODULE = "tests.faults.skewed_scheduler"
 SCHEDULERS = 2
 WORKERS = 2
 CONCURRENCY = 50  # per worker: 100 attempts in flight at most
+HTTP_JOBS = 300  # with http=True: of the herd, these are http jobs to tests/faults/receiver.py
+HTTP_WORKERS = 2
+HTTP_CONCURRENCY = 32
+HTTP_LEASE_S = 5.0  # as the queue workers': a dead http-worker's deliveries retry this soon
+LOOPBACK = ipaddress.ip_network("127.0.0.0/8")  # HERDWICK_HTTP_ALLOW: the receiver is local
 LEASE_S = 5.0
 HANDLER_MS = (50, 200)
 HERD_JOBS = 3_000  # due in one second: ~3 s of the two workers' capacity
@@ -101,6 +112,9 @@ SETTLE_TIMEOUT_S = 30.0
 DRAIN_TIMEOUT_S = 45.0  # from the fault: the slowest recovery (30 s) and its drain
 LATE_S = 1.0  # "lag back under 1 s"
 POLL_S = 0.2
+# What the harness's own reads meet while Postgres is down or restarting: polled again.
+DB_DOWN = (StorageUnavailable, OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
+           asyncpg.OperatorInterventionError)
 HERD_NAME = "fault-herd"
 STEADY_NAME = "fault-steady"
 CRON_NAME = "fault-cron"
@@ -137,18 +151,21 @@ def record(row: str) -> None:
 # --- jobs ----------------------------------------------------------------------------------
 
 
-def _template(name: str, schedule: Schedule) -> NewJob:
-    spec = JobSpec(name=name, target=Target(type="queue", ref=POOL), schedule=schedule,
+def _template(name: str, schedule: Schedule, target: Target) -> NewJob:
+    spec = JobSpec(name=name, target=target, schedule=schedule,
                    payload=msgspec.Raw(b'{"fault": true}'), retry=RETRY)
-    prepared = prepare(spec, now=datetime.now(UTC), allow=())
+    prepared = prepare(spec, now=datetime.now(UTC), allow=(LOOPBACK,))
     assert prepared.job is not None, prepared.errors
     return prepared.job
 
 
-def make_jobs(name: str, count: int, due: datetime, cron: str | None = None) -> list[NewJob]:
-    """`count` jobs as the gateway would insert them, all due at `due`."""
+def make_jobs(name: str, count: int, due: datetime, cron: str | None = None,
+              url: str | None = None) -> list[NewJob]:
+    """`count` jobs as the gateway would insert them, all due at `due`: for the queue
+    workers, or with `url` for the http-workers."""
     schedule = Schedule(cron=cron) if cron else Schedule(delay_seconds=60)
-    template = _template(name, schedule)
+    target = Target(type="http", ref=url) if url else Target(type="queue", ref=POOL)
+    template = _template(name, schedule, target)
     now = datetime.now(UTC)
     jobs = []
     for _ in range(count):
@@ -242,6 +259,8 @@ class Result:
     verdict: history.Verdict
     notes: dict = field(default_factory=dict)
     rerun_bound: int = WORKERS * CONCURRENCY
+    receiver: Receiver | None = None
+    http_jobs: int = 0
 
     def row(self) -> str:
         v = self.verdict
@@ -254,6 +273,9 @@ class Result:
             notes["lease_owner not the winner's"] = v.owner_unrecorded
         if v.dead:
             notes["dead"] = dict(v.dead)
+        if self.receiver is not None:
+            notes["http deliveries"] = sum(self.receiver.deliveries.values())
+            notes["http re-deliveries"] = self.receiver.repeated()
         text = "; ".join(f"{k} {val}" for k, val in notes.items())
         return (f"| {self.fault} | {self.seed} | {self.in_flight} | {v.lost} | {v.duplicates} | "
                 f"{v.stale_accepted} | {v.reruns} | {self.recovery_s:.1f} | {text} |")
@@ -265,6 +287,12 @@ class Result:
         assert self.verdict.reruns <= self.rerun_bound, (
             f"seed {self.seed}: {self.verdict.reruns} re-runs, more than the "
             f"{self.rerun_bound} attempts in flight")
+        if self.receiver is not None:
+            # Every http job reached the receiver, signed; the history has its success.
+            assert self.receiver.bad_signatures == 0, self.receiver.bad_signatures
+            assert len(self.receiver.deliveries) == self.http_jobs, (
+                f"seed {self.seed}: {len(self.receiver.deliveries)} of {self.http_jobs} "
+                f"http jobs delivered")
 
 
 Inject = Callable[["Stack"], Awaitable[None]]
@@ -295,6 +323,8 @@ class Stack:
         self.due: datetime | None = None
         self.steady_via_api = False
         self.steady_statuses: dict[int, int] = {}  # the steady rate's answers, via the api
+        self.http_workers: list[HttpWorkerProcess] = []
+        self.receiver: Receiver | None = None  # with http=True
 
     # --- starting --------------------------------------------------------------------
 
@@ -304,10 +334,11 @@ class Stack:
                  herd: int = HERD_JOBS, scheduler_db_url: str | None = None,
                  scheduler_redis_url: str | None = None, api_db_url: str | None = None,
                  skewed: int = 0, scheduler_env: dict[str, str] | None = None,
-                 ) -> AsyncIterator[Stack]:
+                 http: bool = False) -> AsyncIterator[Stack]:
         """Everything started and the shards settled over both schedulers. `skewed` of the
         schedulers run under the clock-skew launcher; `scheduler_db_url` and
-        `scheduler_redis_url` put the schedulers behind a proxy."""
+        `scheduler_redis_url` put the schedulers behind a proxy; `http` makes HTTP_JOBS of
+        the herd http jobs, delivered by two `herdwick http-worker` to a local receiver."""
         seed, rng = seeded()
         began = time.perf_counter()
         print(f"\nfault seed {seed} ({SEED_ENV}={seed} replays it)", flush=True)
@@ -316,6 +347,10 @@ class Stack:
             exits.push_async_callback(db.close)
             stack = cls(db, exits, db_url=db_url, redis_url=redis_url, prefix=prefix,
                         seed=seed, rng=rng)
+            if http:
+                stack.receiver = Receiver()
+                await stack.receiver.start()
+                exits.push_async_callback(stack.receiver.stop)
             await stack._prepare(herd)
             sched_env = child_env(
                 HERDWICK_DATABASE_URL=scheduler_db_url or db_url,
@@ -336,9 +371,17 @@ class Stack:
                   for kind in kinds),
                 *(exits.enter_async_context(
                     children(WorkerProcess, 1, ["worker", WORKER_APP], worker_env))
-                  for _ in range(WORKERS)))
+                  for _ in range(WORKERS)),
+                *(exits.enter_async_context(children(
+                    HttpWorkerProcess, 1, ["http-worker", "--lease", f"{HTTP_LEASE_S:g}",
+                                           "--concurrency", str(HTTP_CONCURRENCY)],
+                    child_env(HERDWICK_REDIS_URL=redis_url, HERDWICK_KEY_PREFIX=prefix,
+                              HERDWICK_HTTP_ALLOW=str(LOOPBACK))))
+                  for _ in range(HTTP_WORKERS if http else 0)))
             for procs in started:
-                (stack.schedulers if isinstance(procs[0], SchedulerProcess)
+                kind = procs[0]
+                (stack.schedulers if isinstance(kind, SchedulerProcess)
+                 else stack.http_workers if isinstance(kind, HttpWorkerProcess)
                  else stack.workers).extend(procs)
             if api:
                 stack._api_env = child_env(
@@ -359,8 +402,12 @@ class Stack:
         created = await create_tenant(self.db, TenantSpec(name="faults"), datetime.now(UTC))
         self.tenant_id, self.api_key = created.tenant_id, created.api_key
         self.parked = parking_time()
-        self.herd = herd
-        await insert(self.db, self.tenant_id, make_jobs(HERD_NAME, herd, self.parked)
+        http = []
+        if self.receiver is not None:
+            self.receiver.secret = created.signing_secret
+            http = make_jobs(HERD_NAME, HTTP_JOBS, self.parked, url=self.receiver.url)
+        self.herd = herd + len(http)
+        await insert(self.db, self.tenant_id, make_jobs(HERD_NAME, herd, self.parked) + http
                      + make_jobs(CRON_NAME, CRON_JOBS, self.parked, cron="* * * * *"))
 
     async def start_api(self) -> None:
@@ -376,7 +423,7 @@ class Stack:
         child.proc.kill()
 
     def alive(self) -> None:
-        for child in [*self.schedulers, *self.workers, *self.apis]:
+        for child in [*self.schedulers, *self.workers, *self.http_workers, *self.apis]:
             if child.pid not in self.down:
                 child.check_alive()
 
@@ -418,7 +465,11 @@ class Stack:
         result = Result(fault=fault, seed=self.seed,
                         in_flight=in_flight(before) if in_flight else before.in_flight,
                         recovery_s=recovery_s, verdict=verdict,
-                        notes={"at due +s": round(offset_s, 2), **extra})
+                        notes={"at due +s": round(offset_s, 2), **extra},
+                        rerun_bound=WORKERS * CONCURRENCY
+                        + (HTTP_WORKERS * HTTP_CONCURRENCY if self.receiver else 0),
+                        receiver=self.receiver,
+                        http_jobs=HTTP_JOBS if self.receiver else 0)
         if stuck:
             result.notes["NOT DRAINED"] = stuck.splitlines()[0]
         record(result.row())
@@ -439,7 +490,7 @@ class Stack:
     async def _recovered_after(self, fault_at: float, timeout_s: float) -> float:
         deadline = fault_at + timeout_s
         while time.time() < deadline:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(*DB_DOWN):
                 if (await progress(self.db)).recovered(self.herd):
                     return time.time() - fault_at
             await asyncio.sleep(POLL_S)
@@ -449,14 +500,18 @@ class Stack:
         """Worker events not yet applied to Postgres: unread by the schedulers' group, or
         read and not acked. A stale call's record travels this way too."""
         client = aioredis.from_url(self.redis_url, socket_timeout=5)
+        unapplied = 0
         try:
-            groups = await client.xinfo_groups(keys.events_stream(self.prefix, POOL))
-        except aioredis.ResponseError:  # no stream yet (a Redis that came back empty)
-            return 0
+            for pool in (POOL, HTTP_POOL) if self.receiver else (POOL,):
+                try:
+                    groups = await client.xinfo_groups(keys.events_stream(self.prefix, pool))
+                except aioredis.ResponseError:  # no stream yet (a Redis that came back empty)
+                    continue
+                unapplied += sum((g.get("lag") or 0) + g["pending"] for g in groups
+                                 if g["name"] == EVENTS_GROUP.encode())
         finally:
             await client.aclose()
-        return sum((g.get("lag") or 0) + g["pending"] for g in groups
-                   if g["name"] == EVENTS_GROUP.encode())
+        return unapplied
 
     async def _drain(self, steady: asyncio.Task, fault_at: float, timeout_s: float) -> str:
         """Wait until everything has run; '' then, else (past `timeout_s` from the fault)
@@ -464,7 +519,13 @@ class Stack:
         deadline = fault_at + timeout_s
         while True:
             self._healthy(steady)
-            found = await progress(self.db)
+            try:
+                found = await progress(self.db)
+            except DB_DOWN:
+                if time.time() > deadline:
+                    raise
+                await asyncio.sleep(POLL_S)
+                continue
             if steady.done() and found.drained(self.herd) and not await self.events_unapplied():
                 return ""
             if time.time() > deadline:

@@ -40,6 +40,18 @@ async def test_kill_a_worker_mid_handler(db_url, services, key_prefix) -> None:
     result.assert_sound()
 
 
+async def test_kill_an_http_worker_mid_delivery(db_url, services, key_prefix) -> None:
+    """Its deliveries in flight lapse with their 5 s leases (`--lease 5`) and the other
+    http-worker delivers them again, with the same Idempotency-Key."""
+    async def kill_an_http_worker(stack: Stack) -> None:
+        stack.kill(stack.rng.choice(stack.http_workers))
+
+    async with Stack.up(db_url, services.redis_url, key_prefix, http=True) as stack:
+        result = await stack.run("kill -9 http-worker mid-delivery", (0.2, 0.8),
+                                 kill_an_http_worker)
+    result.assert_sound()
+
+
 async def test_kill_a_scheduler_mid_dispatch(db_url, services, key_prefix) -> None:
     async def kill_a_scheduler(stack: Stack) -> None:
         stack.kill(stack.rng.choice(stack.schedulers))

@@ -41,7 +41,7 @@ async def test_redis_restarted_empty_mid_herd(db_url, key_prefix, redis_server) 
     async def restart_empty(stack: Stack) -> None:
         await redis_server.restart()
 
-    async with Stack.up(db_url, redis_server.url, key_prefix) as stack:
+    async with Stack.up(db_url, redis_server.url, key_prefix, http=True) as stack:
         # Every unfinished execution is republished as its next attempt: the ones still
         # on the stream, never leased, leave a number no worker held (a gap).
         result = await stack.run("Redis restarted empty mid-herd", (0.2, 1.2), restart_empty,
