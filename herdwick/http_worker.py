@@ -230,6 +230,8 @@ class Delivery:
     async def __aexit__(self, *exc: object) -> None:
         telemetry.unwatch(self)
         await self._flush_successes()
+        if self._pipeline is not None:
+            self._pipeline.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -165,6 +165,7 @@ class _Pipeline:
         self._queue: list[tuple[tuple, asyncio.Future | list[asyncio.Future]]] = []
         self._items: dict[tuple, list[tuple[tuple, asyncio.Future]]] = {}
         self._wake = asyncio.Event()
+        self._closed = False  # set by close(): run() returns at its next turn
 
     def submit(self, *args: Any) -> asyncio.Future:
         """Queue one command; a Redis error reply or a failed round trip lands as RedisError."""
@@ -181,14 +182,21 @@ class _Pipeline:
         return future
 
     async def run(self) -> None:
-        while True:
+        while not self._closed:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue or self._items:
+            while (self._queue or self._items) and not self._closed:
                 self._fold_items()
                 batch = self._queue[:MAX_PIPELINE]
                 del self._queue[:MAX_PIPELINE]
                 await self._send(batch)
+
+    def close(self) -> None:
+        """Stop run() without relying on cancellation alone: a cancel that lands as a
+        Redis call returns can be lost inside the client, and the task would wait here
+        for ever (a `herdwick dev` that never stopped). Nothing queued is sent."""
+        self._closed = True
+        self._wake.set()
 
     def _fold_items(self) -> None:
         for head, items in self._items.items():
@@ -856,6 +864,7 @@ class Worker:
             epochs.cancel()
             await asyncio.gather(epochs, return_exceptions=True)
             await self._drain(grace_s)
+            pipeline.close()
             flusher.cancel()
             await asyncio.gather(flusher, return_exceptions=True)
             await reader.close()

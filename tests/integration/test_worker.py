@@ -624,3 +624,17 @@ async def test_a_worker_on_a_redis_no_scheduler_uses_says_so(tmp_path: Path, cap
             pass  # it checks before its first read, and stopping waits for the read loop
     assert "event=functions_missing pool=emails" in caplog.text
     assert "HERDWICK_REDIS_URL" in caplog.text
+
+
+async def test_a_closed_pipeline_stops_even_if_its_cancel_is_lost(redis_client) -> None:
+    """Shutdown closes the worker's coalescing pipeline as well as cancelling it: a cancel
+    that lands just as a Redis reply arrives can be lost inside the client, and its task
+    would then wait for more commands for ever (a `herdwick dev` that would not stop)."""
+    from herdwick.worker import _Pipeline
+
+    pipeline = _Pipeline(redis_client)
+    flusher = asyncio.create_task(pipeline.run())
+    assert await pipeline.submit("PING") is True
+    pipeline.close()  # and no cancel at all
+    await asyncio.wait_for(flusher, WAIT_S)
+    assert flusher.done() and not flusher.cancelled()
