@@ -51,7 +51,10 @@ ROUND_MAX = 5_000  # items a round asks room for: one dispatch transaction's wor
 # gathers what arrives meanwhile, so the transactions after it are large all the same.)
 FIRST_ROUND = 64
 WAIT_S = 0.02  # after a round that found no room (or no tokens), look again this soon
-PUBLISH_RETRIES_S = (0.05, 0.2, 1.0, 2.0)
+# About 8 s in all, within the sweeper's 10 s grace: a Redis refusing writes for a few
+# seconds (at its maxmemory, failing over) gets this batch once it takes writes again,
+# at its own attempt, instead of the sweeper republishing it as the next one.
+PUBLISH_RETRIES_S = (0.05, 0.2, 0.5, 1.0, 2.0, 2.0, 2.0)
 ORDERS = ("fair", "fifo")
 _NO_LIMITS = TenantLimits()
 
