@@ -26,6 +26,47 @@ from tests.services import Services, with_database
 
 T0 = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
 
+# The suite runs on two xdist workers (pyproject.toml addopts). Tests that start the real
+# processes and judge how fast they recover or drain would slow each other down if two
+# ran at once, so each family below runs on one worker, one test at a time; everything
+# else is spread over both.
+_GROUPS = (
+    ("faults", ("tests/faults/",)),
+    ("processes", ("tests/docs/", "tests/browser/", "tests/packaging/", "tests/acceptance/",
+                   "tests/integration/test_loadtest_", "tests/integration/test_dev.py",
+                   "tests/fuzz/")),
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, the controller finds (or starts) Postgres and Redis once and hands
+    them to its workers through the environment they inherit: two workers starting
+    embedded servers in one folder would fight over it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", 0):
+        return
+    found = asyncio.run(Services().find())
+    os.environ["HERDWICK_TEST_DATABASE_URL"] = found.admin_dsn
+    os.environ["HERDWICK_TEST_REDIS_URL"] = found.redis_url
+    config.stash[_SHARED_SERVICES] = found
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    found = config.stash.get(_SHARED_SERVICES, None)
+    if found is not None:
+        found.stop()
+
+
+_SHARED_SERVICES = pytest.StashKey[Services]()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.nodeid
+        for group, prefixes in _GROUPS:
+            if path.startswith(prefixes):
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
+
 
 @pytest.fixture(scope="session")
 async def services() -> AsyncIterator[Services]:
@@ -175,3 +216,9 @@ async def redis_client(services: Services, key_prefix: str) -> AsyncIterator[aio
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock(T0)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    from tests.faults import table  # the harness's imports, only once the run is over
+
+    table.summarise(terminalreporter, config)

@@ -1,24 +1,18 @@
-"""The fault scenarios' table: each row to a file under pytest's base temp directory as it
-is measured, and all of them in the terminal summary, so every CI run's output shows it
-(CI does not pass -s)."""
+"""Each fault scenario's row goes to a file under pytest's base temp directory as it is
+measured (the summary is tests/faults/table.py's); under xdist, a worker's base temp is a
+folder of the run's, so it writes to the run's own."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from tests.faults import harness
+from tests.faults import harness, table
 
 
 @pytest.fixture(scope="session", autouse=True)
 def fault_table(tmp_path_factory: pytest.TempPathFactory) -> None:
-    harness.TABLE_FILE = tmp_path_factory.getbasetemp() / "fault-table.md"
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    if not harness.ROWS:
-        return
-    terminalreporter.section("faults (issue 13): one row per scenario")
-    for line in (harness.HEADER, harness.RULE, *harness.ROWS):
-        terminalreporter.write_line(line)
-    if harness.TABLE_FILE is not None:
-        terminalreporter.write_line(f"(also in {harness.TABLE_FILE})")
+    base = tmp_path_factory.getbasetemp()
+    harness.TABLE_FILE = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) \
+        / table.NAME

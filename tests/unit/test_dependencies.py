@@ -16,6 +16,7 @@ USED_WITHOUT_IMPORT = {
     "tzdata": "zoneinfo reads its zone data where the system has none",
     "pytest-asyncio": "the suite's asyncio_mode (pyproject)",
     "pytest-timeout": "the suite's per-test timeout (pyproject)",
+    "pytest-xdist": "the suite's two workers (pyproject addopts)",
     "ruff": "test_the_code_lints_clean runs it",
     "server": "moto's extra for ThreadedMotoServer, the S3 server tests/integration/"
               "test_retention.py runs",
