@@ -10,13 +10,14 @@ claim bumps the shard's revision, the fencing token its dispatches carry.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from herdwick import logs
 from herdwick.actors.base import Actor, Supervisor, Tick
 from herdwick.actors.messages import LeaseLost
-from herdwick.clock import Clock
+from herdwick.clock import Clock, SteeredClock
 from herdwick.errors import StorageUnavailable
 from herdwick.ids import SHARD_COUNT
 from herdwick.storage import leases as store
@@ -70,7 +71,10 @@ class Coordinator(Actor):
     async def run_once(self) -> None:
         now = self._now()
         try:
-            await store.heartbeat(self._db, self.node_id, now)
+            sent = time.monotonic()
+            db_now = await store.heartbeat(self._db, self.node_id, now)
+            if isinstance(self.clock, SteeredClock):
+                self.clock.observe(db_now, sent, time.monotonic())
             await self._renew(now)
             live = await store.live_nodes(self._db, now, NODE_TTL_S)
         except StorageUnavailable as exc:

@@ -41,7 +41,7 @@ from herdwick.actors.reaper import Reaper
 from herdwick.actors.shard import ShardActor
 from herdwick.actors.sweeper import INTERVAL_S as SWEEPER_INTERVAL_S
 from herdwick.actors.sweeper import Sweeper
-from herdwick.clock import Clock, SystemClock
+from herdwick.clock import Clock, SteeredClock
 from herdwick.config import Settings
 from herdwick.errors import StorageUnavailable
 from herdwick.metrics import Histogram
@@ -80,7 +80,9 @@ class Scheduler:
                  node_id: str | None = None, tick: bool = True,
                  dispatch_actors: int = DISPATCH_ACTORS) -> None:
         self.settings = settings
-        self.clock = clock or SystemClock()
+        # Unless a test injected one: Postgres's clock, read with every coordinator
+        # heartbeat, so a host clock that is off moves no due time (herdwick/clock.py).
+        self.clock = clock or SteeredClock()
         self.node_id = node_id or new_node_id()
         self._given_db, self._given_redis = db, redis
         self._tick = tick

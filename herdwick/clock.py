@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
@@ -27,6 +28,50 @@ class Clock(Protocol):
 class SystemClock:
     def now(self) -> datetime:
         return datetime.now(UTC)
+
+
+class SteeredClock:
+    """The database's clock, carried between readings by this host's monotonic clock.
+
+    A scheduler decides on its own clock when work is due, so a host whose wall clock
+    runs ahead (or is stepped: NTP, a VM resumed) would publish early by its error. The
+    coordinator reads Postgres's clock with every heartbeat (observe); between
+    readings, time moves by time.monotonic(), which no step of the wall clock moves.
+    Until the first reading it is the wall clock. It never goes backwards: a reading
+    that would (a round trip's error, a few ms) holds it until it catches up.
+    """
+
+    MAX_ROUND_TRIP_S = 0.5  # a slower reading says too little about when it was taken
+
+    def __init__(self) -> None:
+        self._anchor: datetime | None = None  # the database's time at _anchor_mono
+        self._anchor_mono = 0.0
+        self._last = datetime(1970, 1, 1, tzinfo=UTC)  # the latest now() returned
+
+    def now(self) -> datetime:
+        if self._anchor is None:
+            current = datetime.now(UTC)
+        else:
+            current = self._anchor + timedelta(seconds=time.monotonic() - self._anchor_mono)
+        if current < self._last:
+            return self._last
+        self._last = current
+        return current
+
+    def observe(self, reference: datetime, sent_mono: float, received_mono: float) -> None:
+        """The database said `reference` during a round trip over [sent, received]
+        (time.monotonic() values)."""
+        trip = received_mono - sent_mono
+        if trip < 0 or trip > self.MAX_ROUND_TRIP_S:
+            return
+        self._anchor = reference.astimezone(UTC)
+        self._anchor_mono = sent_mono + trip / 2
+
+    @property
+    def offset_s(self) -> float:
+        """How far the database's clock is from this host's wall clock (+: ahead)."""
+        return 0.0 if self._anchor is None else \
+            (self.now() - datetime.now(UTC)).total_seconds()
 
 
 class ManualClock:

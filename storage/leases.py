@@ -19,9 +19,11 @@ class Lease(msgspec.Struct, frozen=True):
     revision: int
 
 
-async def heartbeat(db: Database, node_id: str, now: datetime | None, info: str = "{}") -> None:
+async def heartbeat(db: Database, node_id: str, now: datetime | None,
+                    info: str = "{}") -> datetime:
+    """Registers or renews the node; returns the database's clock as it did."""
     async with db.connection() as conn:
-        await conn.execute(q("node_heartbeat"), node_id, now, info)
+        return await conn.fetchval(q("node_heartbeat"), node_id, now, info)
 
 
 async def leave(db: Database, node_id: str) -> None:

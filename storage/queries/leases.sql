@@ -1,8 +1,10 @@
 -- name: node_heartbeat
 -- Registers a scheduler node or renews its heartbeat. Times: $2, else the database clock.
+-- Returns the database's clock as the statement ran: the scheduler steers its own by it.
 INSERT INTO scheduler_nodes (node_id, started_at, heartbeat_at, info)
 VALUES ($1, coalesce($2, now()), coalesce($2, now()), $3::jsonb)
-ON CONFLICT (node_id) DO UPDATE SET heartbeat_at = EXCLUDED.heartbeat_at;
+ON CONFLICT (node_id) DO UPDATE SET heartbeat_at = EXCLUDED.heartbeat_at
+RETURNING clock_timestamp() AS db_now;
 
 -- name: node_leave
 DELETE FROM scheduler_nodes WHERE node_id = $1;

@@ -2,10 +2,12 @@
 injects it into the real process with SIGUSR1).
 
 Shard leases run on Postgres's clock and worker leases on Redis's, so the
-skew cannot put two holders on one shard or one attempt; what it moves is
-when that node's shards think work is due. Ahead, they dispatch early by
-up to the skew: recorded as "started early" (first lease before the due
-time, Redis's clock against the occurrence's scheduled_for).
+skew cannot put two holders on one shard or one attempt. When work is due is
+the scheduler's own judgement, on its SteeredClock: Postgres's clock, read
+with every heartbeat and carried by the monotonic clock in between, so a
+wall clock that jumps ahead moves nothing. Nothing starts early ("started
+early": a first lease before the due time, Redis's clock against the
+occurrence's scheduled_for), as it did by up to the skew before.
 """
 
 from __future__ import annotations
@@ -56,3 +58,4 @@ async def test_one_scheduler_s_clock_skewed_ahead(db_url, services, key_prefix,
         result = await stack.run(f"one scheduler's clock +{skew_s:g}s", (0.0, 1.0), skew,
                                  notes=figures)
     result.assert_sound()
+    assert seen["early"] == 0, f"{seen['early']} started early, by up to {seen['most']} s"

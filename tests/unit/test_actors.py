@@ -174,3 +174,39 @@ def test_claimed_shards_are_logged_as_ranges() -> None:
     assert _ranges([0, 1, 2, 3, 5, 7, 8, 255]) == "0-3,5,7-8,255"
     assert _ranges([4]) == "4"
     assert _ranges([]) == ""
+
+
+def test_a_steered_clock_keeps_the_database_s_time_whatever_the_wall_clock_does(
+        monkeypatch) -> None:
+    """A scheduler's SteeredClock: Postgres's reading, carried by the monotonic clock.
+    The wall clock jumping ahead moves it not at all; a slow reading is not taken; a
+    reading that would take it back holds it until it catches up."""
+    import time as time_module
+    from datetime import UTC, datetime, timedelta
+
+    from herdwick import clock as clock_module
+    from herdwick.clock import SteeredClock
+
+    mono = [1000.0]
+    monkeypatch.setattr(time_module, "monotonic", lambda: mono[0])
+    steered = SteeredClock()
+    db_time = datetime(2026, 12, 6, 12, 0, 0, tzinfo=UTC)
+    steered.observe(db_time, 999.99, 1000.01)  # a 20 ms round trip, mid-point 1000.0
+    assert steered.now() == db_time
+
+    class Ahead(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.now(tz) + timedelta(seconds=30)
+
+    monkeypatch.setattr(clock_module, "datetime", Ahead)  # the wall clock steps ahead
+    mono[0] += 2.5
+    assert steered.now() == db_time + timedelta(seconds=2.5)
+
+    steered.observe(db_time + timedelta(seconds=100), 1002.0, 1003.0)  # a 1 s trip: ignored
+    assert steered.now() == db_time + timedelta(seconds=2.5)
+
+    steered.observe(db_time + timedelta(seconds=2.4), 1002.5, 1002.5)  # 100 ms back
+    assert steered.now() == db_time + timedelta(seconds=2.5)  # held, never backwards
+    mono[0] += 0.2
+    assert steered.now() == db_time + timedelta(seconds=2.6)
