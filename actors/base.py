@@ -114,11 +114,22 @@ class Actor:
             await self.on_stop()
 
     def _release_syncs(self) -> None:
-        """A stopped actor handles nothing more: answer the Syncs waiting behind its Stop."""
+        """A stopped actor handles nothing more: answer the Syncs waiting behind its Stop.
+
+        Every other message stays, in order: a crashed actor that is run again (the
+        dispatchers are) handles them then. Dropping them stranded work: a Due's items
+        stay held by their fair queue until settled, and a reload of them counts as a
+        duplicate, so those rows waited until their shards moved to another node.
+        """
+        kept = []
         while not self.mailbox.empty():
             msg = self.mailbox.get_nowait()
             if isinstance(msg, Sync):
                 msg.done.set()
+            else:
+                kept.append(msg)
+        for msg in kept:
+            self.mailbox.put_nowait(msg)
 
     async def _next(self) -> object | None:
         timeout = self.idle_timeout()
