@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 
 import redis.asyncio as aioredis
 
-from herdwick import logs, telemetry
+from herdwick import logs, redis_client, telemetry
 from herdwick.actors.base import Supervisor, Tick, every, sync
 from herdwick.actors.coordinator import RENEW_INTERVAL_S, Coordinator
 from herdwick.actors.dispatcher import DispatchActor
@@ -45,6 +45,7 @@ from herdwick.clock import Clock, SteeredClock
 from herdwick.config import Settings
 from herdwick.errors import StorageUnavailable
 from herdwick.metrics import Histogram
+from herdwick.redis_client import REDIS_ERRORS
 from herdwick.storage import keys, migrate
 from herdwick.storage import tenants as tenant_store
 from herdwick.storage.db import Database
@@ -112,7 +113,7 @@ class Scheduler:
                                                            max_size=DB_POOL_MAX)
         async with self.db.connection() as conn:
             await migrate.check(conn)
-        client = self._given_redis or aioredis.from_url(self.settings.redis_url)
+        client = self._given_redis or redis_client.connect(self.settings.redis_url)
         self.hot = HotTier(client, self.settings.key_prefix)
         await self.hot.load_functions()
         await self.refresh_limits()
@@ -289,7 +290,7 @@ class Scheduler:
                     if message is not None and message.get("type") == "message":
                         self._wake_shards(message["data"])
                 return
-            except (aioredis.RedisError, OSError) as exc:
+            except (*REDIS_ERRORS, OSError) as exc:
                 error = str(exc)
             finally:
                 with contextlib.suppress(Exception):

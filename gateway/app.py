@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from herdwick import logs, ssrf, telemetry
+from herdwick import logs, redis_client, ssrf, telemetry
 from herdwick.clock import Clock, SystemClock
 from herdwick.config import Settings
 from herdwick.errors import HerdwickError
@@ -57,7 +57,7 @@ def create_app(settings: Settings, *, clock: Clock | None = None, db: Database |
         database = db or await Database.connect(settings.database_url, max_size=DB_POOL_MAX)
         client = redis
         if client is None and settings.redis_url:
-            client = aioredis.from_url(settings.redis_url)
+            client = redis_client.connect(settings.redis_url)
         the_clock = clock or SystemClock()
         target_dns = TargetDns(settings.http_allow_networks, the_clock, resolve=resolve)
         try:

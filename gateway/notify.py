@@ -11,11 +11,10 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from redis.exceptions import RedisError
-
 from herdwick import logs
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
+from herdwick.redis_client import REDIS_ERRORS
 from herdwick.storage.hot import HotTier, NotifyMessage
 from herdwick.storage.protocol import Protocol
 
@@ -43,7 +42,7 @@ def notifier(hot: HotTier, clock: Clock):
                 for shard, job_id, when, tenant, pool in due if when <= horizon]
         try:
             await hot.notify(near)
-        except (RedisError, OSError) as exc:
+        except (*REDIS_ERRORS, OSError) as exc:
             # Committed already; the shard's next load picks it up.
             log.warning("notify_failed", count=len(near), error=exc)
     return notify
@@ -54,7 +53,7 @@ def canceller(protocol: Protocol):
         try:
             for execution_id in execution_ids:
                 await protocol.cancel(pool, str(execution_id))
-        except (StorageUnavailable, RedisError, OSError) as exc:
+        except (StorageUnavailable, *REDIS_ERRORS, OSError) as exc:
             # Postgres has them canceled: their events are fenced out, and the
             # worker learns at its lease's end at the latest.
             log.warning("cancel_notify_failed", pool=pool, error=exc)

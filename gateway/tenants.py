@@ -7,7 +7,6 @@ import uuid
 
 import msgspec
 from aiohttp import web
-from redis.exceptions import RedisError
 
 from herdwick import logs
 from herdwick.errors import NotFound, StorageUnavailable
@@ -18,6 +17,7 @@ from herdwick.gateway.decoding import decode
 from herdwick.gateway.params import json_response, path_uuid
 from herdwick.gateway.problems import bad_field
 from herdwick.model import SecretRotation, TenantPatch, TenantSpec, valid_name
+from herdwick.redis_client import REDIS_ERRORS
 from herdwick.signing import SigningKeys
 from herdwick.storage import signing
 from herdwick.storage import tenants as store
@@ -46,7 +46,7 @@ async def _publish_keys(ctx: Ctx, tenant_id: uuid.UUID, keys: SigningKeys) -> No
     try:
         async with asyncio.timeout(SIGNING_PUBLISH_TIMEOUT_S):
             await signing.publish(ctx.redis, ctx.settings.key_prefix, {str(tenant_id): keys})
-    except (StorageUnavailable, RedisError, OSError, TimeoutError) as exc:
+    except (StorageUnavailable, *REDIS_ERRORS, OSError, TimeoutError) as exc:
         log.warning("signing_publish_failed", tenant_id=str(tenant_id), error=str(exc))
 
 

@@ -711,12 +711,12 @@ async def _publish_signing_keys(settings: Settings, tenant_id: str, keys: Any) -
     it fails) the schedulers copy them from Postgres within seconds."""
     if not settings.redis_url:
         return
-    import redis.asyncio as aioredis
-
+    from herdwick import redis_client
     from herdwick.errors import StorageUnavailable
     from herdwick.storage import signing
 
-    client = aioredis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    client = redis_client.connect(settings.redis_url, socket_timeout=5,
+                                   socket_connect_timeout=5)
     try:
         await signing.publish(client, settings.key_prefix, {tenant_id: keys})
     except StorageUnavailable as exc:

@@ -28,9 +28,9 @@ import aiohttp
 import msgspec
 import redis.asyncio as aioredis
 import yarl
-from redis.exceptions import RedisError
 
-from herdwick import logs, ssrf, telemetry
+from herdwick import logs, redis_client, ssrf, telemetry
+from herdwick.redis_client import REDIS_ERRORS
 from herdwick.signing import SigningKeys, signature_header
 from herdwick.storage import keys
 from herdwick.worker import Context, Defer, Permanent, RetryAfter, Worker, _Pipeline
@@ -335,7 +335,7 @@ class Delivery:
         try:
             wait_ms = await self._pipeline.submit_item(
                 ("FCALL", "hw_breaker_check", 1, self._base, probe_ms), origin)
-        except RedisError as exc:  # no breaker to ask: deliver (the attempt is fenced anyway)
+        except REDIS_ERRORS as exc:  # no breaker to ask: deliver (the attempt is fenced anyway)
             log.warning("breaker_unavailable", target=origin, error=exc)
             return False
         wait_ms = int(wait_ms)
@@ -359,7 +359,7 @@ class Delivery:
         now = time.monotonic()
         try:
             raw = await self._pipeline.submit_item(("HMGET", self._signing), tenant_id)
-        except RedisError:
+        except REDIS_ERRORS:
             raw = None
             if cached is not None and cached[1] is not None:
                 return cached[1]  # stale, but still the tenant's
@@ -513,7 +513,7 @@ class HttpWorker:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         url, prefix = self.worker._resolve()
-        client = self._given or aioredis.from_url(url)
+        client = self._given or redis_client.connect(url)
         try:
             async with Delivery(client, prefix, **self._options) as delivery:
                 self.worker.handler(delivery.__call__)

@@ -41,9 +41,10 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from herdwick import logs, telemetry
+from herdwick import logs, redis_client, telemetry
 from herdwick.config import DEFAULT_KEY_PREFIX
 from herdwick.model import POOL_PATTERN, valid_pool
+from herdwick.redis_client import REDIS_ERRORS
 from herdwick.storage import keys
 
 log = logs.get("herdwick.worker")
@@ -213,7 +214,7 @@ class _Pipeline:
         try:
             with telemetry.timed_redis("worker_pipeline"):
                 replies = await pipe.execute(raise_on_error=False)
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             replies = [exc] * len(batch)
         except BaseException:  # cancelled at shutdown: nobody is left to answer them
             for _, futures in batch:
@@ -681,23 +682,40 @@ class _Reader:
     completes, so the read runs out its BLOCK anyway; and a read cancelled
     after the server answered strands its entries in the pending list.
     Unblocked, XREADGROUP returns what it has (usually nothing) at once.
+
+    On a Redis Cluster both connections go to the node serving the stream's
+    slot; after a failover or a resharding the read fails (connection refused,
+    MOVED), the cluster client learns the new owner, and the next read asks it.
     """
 
-    def __init__(self, client: aioredis.Redis, stream: str, worker_id: str) -> None:
-        self._control = client
-        self._conn = aioredis.Redis(connection_pool=client.connection_pool,
-                                    single_connection_client=True)
+    def __init__(self, client: redis_client.Client, stream: str, worker_id: str) -> None:
+        self._client = client
         self._stream = stream
         self._worker_id = worker_id
+        self._conn: aioredis.Redis | None = None
+        self._control: redis_client.Client | None = None  # sends CLIENT UNBLOCK to _conn's node
         self._conn_id: int | None = None  # CLIENT ID of _conn; None after a failure, 0 denied
 
-    async def read(self, count: int, block_ms: int, stopping: asyncio.Event) -> list:
+    async def _connect(self) -> aioredis.Redis:
+        if self._conn is None:
+            self._conn = redis_client.node_client_for(self._client, self._stream)
+            self._control = redis_client.node_client_for(self._client, self._stream) \
+                if redis_client.is_cluster(self._client) else self._client
+            self._conn_id = None
         if self._conn_id is None:
             try:
                 self._conn_id = await self._conn.client_id()
             except ResponseError:  # an ACL without CLIENT: stop() waits out the BLOCK instead
                 self._conn_id = 0
-        read = asyncio.ensure_future(self._xreadgroup(count, block_ms))
+        return self._conn
+
+    async def read(self, count: int, block_ms: int, stopping: asyncio.Event) -> list:
+        try:
+            conn = await self._connect()
+        except redis_client.REDIS_ERRORS:
+            await self._reset()
+            raise
+        read = asyncio.ensure_future(self._xreadgroup(conn, count, block_ms))
         stopped = asyncio.ensure_future(stopping.wait())
         try:
             await asyncio.wait({read, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -706,24 +724,39 @@ class _Reader:
         while self._conn_id and not read.done():  # stopping: wake it (again, if not blocked yet)
             try:
                 await self._control.client_unblock(self._conn_id)
-            except RedisError:
+            except redis_client.REDIS_ERRORS:
                 break
             await asyncio.wait({read}, timeout=UNBLOCK_RETRY_S)
         try:
             return await read
-        except RedisError:
-            self._conn_id = None  # redis-py may reconnect it under a new id
+        except redis_client.REDIS_ERRORS:
+            await self._reset()
             raise
 
-    async def _xreadgroup(self, count: int, block_ms: int) -> list:
-        reply = await self._conn.xreadgroup(keys.WORKERS_GROUP, self._worker_id,
-                                            {self._stream: ">"}, count=count, block=block_ms)
+    async def _reset(self) -> None:
+        """After a failure: redis-py may reconnect under a new id, and on a cluster the
+        stream may have moved. A keyed call through the cluster client follows MOVED
+        and updates its map of the slots, so the next connection goes to the owner."""
+        self._conn_id = None
+        if not redis_client.is_cluster(self._client):
+            return
+        await self.close()
+        self._conn = self._control = None
+        with contextlib.suppress(*redis_client.REDIS_ERRORS):
+            await self._client.xlen(self._stream)
+
+    async def _xreadgroup(self, conn: aioredis.Redis, count: int, block_ms: int) -> list:
+        reply = await conn.xreadgroup(keys.WORKERS_GROUP, self._worker_id,
+                                      {self._stream: ">"}, count=count, block=block_ms)
         if isinstance(reply, dict):  # RESP3: {stream: [[entry, ...]]}
             return [entry for batch in reply.values() for entry in batch[0]]
         return [entry for _, batch in reply or [] for entry in batch]  # RESP2
 
     async def close(self) -> None:
-        await self._conn.aclose()
+        for conn in {id(c): c for c in (self._conn, self._control)
+                     if c is not None and c is not self._client}.values():
+            with contextlib.suppress(*redis_client.REDIS_ERRORS, OSError):
+                await conn.aclose()
 
 
 def _redacted(url: str) -> str:
@@ -838,7 +871,7 @@ class Worker:
         url, prefix = self._resolve()
         self._started = True
         self._ready = keys.ready_stream(prefix, self.pool)
-        client = self._given_client or aioredis.from_url(url)
+        client = self._given_client or redis_client.connect(url)
         pipeline = _Pipeline(client)
         calls = _Calls(client, pipeline, keys.pool_base(prefix, self.pool),
                        self._ready, self.worker_id, self.lease_s, self.pool)
@@ -882,7 +915,7 @@ class Worker:
         while True:
             try:
                 epoch = await calls.pipeline.submit("GET", epoch_key)
-            except RedisError:
+            except REDIS_ERRORS:
                 epoch = None  # unreachable, or restarting: look again
             if epoch is not None:
                 if seen is not None and epoch != seen:
@@ -893,7 +926,7 @@ class Worker:
     async def _recover(self, calls: _Calls) -> None:
         try:
             recovered = await calls.recover()
-        except RedisError as exc:  # the sweeper re-runs them: at least once, still
+        except REDIS_ERRORS as exc:  # the sweeper re-runs them: at least once, still
             log.warning("recover_failed", pool=self.pool, error=exc)
             return
         log.warning("completions_recovered", pool=self.pool, count=recovered,
@@ -916,7 +949,7 @@ class Worker:
             log.warning("functions_missing", pool=self.pool,
                         hint="no herdwick scheduler has loaded its functions on this Redis; "
                              "is this the scheduler's HERDWICK_REDIS_URL?")
-        except RedisError:
+        except REDIS_ERRORS:
             pass  # unreachable: the read loop says so, and retries
 
     async def _ensure_group(self, client: aioredis.Redis) -> None:
@@ -942,7 +975,7 @@ class Worker:
                     entries = await reader.read(free, block_ms, self._stopping)
                 if entries:
                     await self._start(calls, entries)
-            except RedisError as exc:
+            except REDIS_ERRORS as exc:
                 await self._read_failed(calls.client, exc)
 
     async def _wait_for_slots(self) -> int:
@@ -968,7 +1001,7 @@ class Worker:
             try:
                 await self._ensure_group(client)
                 return
-            except RedisError as again:
+            except REDIS_ERRORS as again:
                 exc = again
         log.warning("read_failed", pool=self.pool, error=exc)
         try:

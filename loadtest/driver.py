@@ -28,6 +28,7 @@ from typing import Any
 import asyncpg
 import redis.asyncio as aioredis
 
+from herdwick import redis_client
 from herdwick.config import ConfigError
 from herdwick.errors import HerdwickError
 from herdwick.ids import SHARD_COUNT
@@ -137,7 +138,7 @@ async def scratch_prefix(redis_url: str, kind: str) -> AsyncIterator[tuple[aiore
     prefix = f"hw{kind}{secrets.token_hex(4)}"
     # A reply that never comes fails the run instead of hanging it (blocking reads wait
     # at most consumers.CONSUMER_BLOCK_MS).
-    client = aioredis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_S)
+    client = redis_client.connect(redis_url, socket_timeout=REDIS_TIMEOUT_S)
     try:
         yield client, prefix
     finally:

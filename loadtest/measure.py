@@ -28,6 +28,7 @@ import psutil
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from herdwick import redis_client
 from herdwick.loadtest.driver import STOP_TIMEOUT_S, Child
 from herdwick.storage import keys
 from herdwick.storage.db import Database
@@ -89,7 +90,7 @@ class Machine(msgspec.Struct, frozen=True, kw_only=True):
 
 async def machine_info(database_url: str, redis_url: str) -> Machine:
     pg = await postgres_info(database_url)
-    client = aioredis.from_url(redis_url)
+    client = redis_client.connect(redis_url)
     try:
         redis_version = (await client.info("server"))["redis_version"]
     finally:

@@ -30,8 +30,8 @@ from typing import Any
 
 import hiredis
 import msgspec
-import redis.asyncio as aioredis
 
+from herdwick import redis_client
 from herdwick import schedule as sched
 from herdwick.actors.shard import ShardActor, entry
 from herdwick.clock import SystemClock, to_us
@@ -297,7 +297,7 @@ async def raw_redis(url: str, by_pool: ByPool, progress: Progress) -> tuple[floa
     """Seconds for: hw_publish via redis-py, hw_publish bare, XADD bare; each on a fresh
     prefix (hw_publish skips an attempt already published), all deleted afterwards."""
     prefixes = [f"hwraw{secrets.token_hex(4)}" for _ in range(3)]
-    client = aioredis.from_url(url)
+    client = redis_client.connect(url)
     try:
         await HotTier(client, prefixes[0]).load_functions()
         progress.set("raw limit: hw_publish")

@@ -9,10 +9,11 @@ from importlib.resources import files
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from herdwick import logs, telemetry
 from herdwick.errors import StorageUnavailable
+from herdwick.redis_client import REDIS_ERRORS
 from herdwick.storage import keys
 
 log = logs.get("herdwick.hot")
@@ -106,7 +107,7 @@ class HotTier:
         """FUNCTION LOAD REPLACE: every process ships the same library, so the last wins."""
         try:
             await self.client.function_load(LIBRARY.read_text(), replace=True)
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: cannot load functions: {exc}") from exc
 
     async def ensure_group(self, pool: str) -> None:
@@ -120,7 +121,7 @@ class HotTier:
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise StorageUnavailable(f"redis: cannot create the group: {exc}") from exc
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: cannot create the group: {exc}") from exc
         self._groups.add(pool)
 
@@ -145,7 +146,7 @@ class HotTier:
         try:
             with telemetry.timed_redis("hw_publish"):
                 results = await pipe.execute()
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: publish failed: {exc}") from exc
         return sum(int(r) for r in results)
 
@@ -155,7 +156,7 @@ class HotTier:
             with telemetry.timed_redis("hw_admit"):
                 reply = await self.client.fcall("hw_admit", 1, keys.pool_base(self.prefix, pool),
                                                 want, cap, release)
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: hw_admit failed: {exc}") from exc
         granted, cap_now, waiting, reserved = (int(v) for v in reply)
         return Admission(granted=granted, cap=cap_now, waiting=waiting, reserved=reserved)
@@ -172,7 +173,7 @@ class HotTier:
         try:
             with telemetry.timed_redis("hw_take"):
                 replies = await pipe.execute()
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: hw_take failed: {exc}") from exc
         return [(int(granted), int(wait_ms)) for granted, wait_ms in replies]
 
@@ -187,7 +188,7 @@ class HotTier:
         try:
             with telemetry.timed_redis("hw_put"):
                 await pipe.execute()
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: hw_put failed: {exc}") from exc
 
     async def events_behind_ms(self, pool: str, group: str) -> int:
@@ -210,7 +211,7 @@ class HotTier:
                 oldest = after[0][0] if after else None
         except ResponseError:
             return 0  # no stream or group yet: nothing to apply
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: {exc}") from exc
         if oldest is None:
             return 0
@@ -226,7 +227,7 @@ class HotTier:
         try:
             with telemetry.timed_redis("xinfo_groups"):
                 replies = await pipe.execute(raise_on_error=False)
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: {exc}") from exc
         stats = {}
         for pool, groups in zip(pools, replies, strict=True):
@@ -241,7 +242,7 @@ class HotTier:
         """Every pool that has had work published, on any node."""
         try:
             members = await self.client.smembers(keys.pools_set(self.prefix))
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: {exc}") from exc
         return sorted(p.decode() for p in members)
 
@@ -256,7 +257,7 @@ class HotTier:
             pipe.hget(keys.hot_state(self.prefix, pool, execution_id), "attempt")
         try:
             found = await pipe.execute()
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: {exc}") from exc
         return [None if v is None else int(v) for v in found]
 
@@ -264,7 +265,7 @@ class HotTier:
         """True if the epoch key was missing (and is now `value`): Redis lost its data."""
         try:
             return bool(await self.client.set(keys.epoch_key(self.prefix), value, nx=True))
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: {exc}") from exc
 
     async def notify(self, messages: list[NotifyMessage]) -> None:

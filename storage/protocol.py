@@ -18,10 +18,11 @@ from typing import Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from herdwick import telemetry
 from herdwick.errors import HerdwickError, StorageUnavailable
+from herdwick.redis_client import REDIS_ERRORS
 from herdwick.storage import keys
 
 LEASE_LOST = "LEASE_LOST"
@@ -128,7 +129,7 @@ def _unavailable(what: str) -> Iterator[None]:
     try:
         with telemetry.timed_redis(what):
             yield
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise StorageUnavailable(f"redis: {what} failed: {exc}") from exc
 
 

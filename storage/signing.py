@@ -17,9 +17,9 @@ from datetime import datetime
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from herdwick.errors import StorageUnavailable
+from herdwick.redis_client import REDIS_ERRORS
 from herdwick.signing import SigningKeys
 from herdwick.storage import tenants
 from herdwick.storage.db import Database
@@ -45,7 +45,7 @@ async def publish(client: aioredis.Redis, prefix: str,
     mapping = {tenant_id: k.encode() for tenant_id, k in keys.items()}
     try:
         await client.hset(signing_hash(prefix), mapping=mapping)
-    except (RedisError, OSError) as exc:
+    except (*REDIS_ERRORS, OSError) as exc:
         raise StorageUnavailable(f"redis: signing keys publish failed: {exc}") from exc
 
 
@@ -57,7 +57,7 @@ async def load(client: aioredis.Redis, prefix: str,
         return {}
     try:
         values = await client.hmget(signing_hash(prefix), ids)
-    except (RedisError, OSError) as exc:
+    except (*REDIS_ERRORS, OSError) as exc:
         raise StorageUnavailable(f"redis: signing keys load failed: {exc}") from exc
     found = {}
     for tenant_id, value in zip(ids, values, strict=True):
@@ -85,7 +85,7 @@ async def sync_all(db: Database, client: aioredis.Redis, prefix: str,
     key = signing_hash(prefix)
     try:
         before = {_bytes(f): _bytes(v) for f, v in (await client.hgetall(key)).items()}
-    except (RedisError, OSError) as exc:
+    except (*REDIS_ERRORS, OSError) as exc:
         raise StorageUnavailable(f"redis: signing keys read failed: {exc}") from exc
     truth = await tenants.signing_secrets(db, now)
     changed = {}
@@ -102,6 +102,6 @@ async def sync_all(db: Database, client: aioredis.Redis, prefix: str,
                 if gone:
                     pipe.hdel(key, *gone)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except (*REDIS_ERRORS, OSError) as exc:
             raise StorageUnavailable(f"redis: signing keys sync failed: {exc}") from exc
     return Synced(written=len(changed), dropped=len(gone))

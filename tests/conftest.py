@@ -20,6 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from herdwick.clock import ManualClock
+from herdwick.redis_client import connect as connect_redis
 from herdwick.storage import migrate
 from herdwick.storage.db import Database
 from tests.services import Services, with_database
@@ -203,7 +204,7 @@ def key_prefix() -> str:
 
 @pytest.fixture
 async def redis_client(services: Services, key_prefix: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.from_url(services.redis_url)
+    client = connect_redis(services.redis_url)
     try:
         yield client
     finally:

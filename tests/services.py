@@ -16,6 +16,8 @@ from pathlib import Path
 import asyncpg
 import redis.asyncio as aioredis
 
+from herdwick import redis_client
+
 LOCAL_POSTGRES = ("postgresql://postgres@127.0.0.1:5432/postgres",
                   "postgresql://root@127.0.0.1:5432/postgres")
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
@@ -37,7 +39,7 @@ async def _postgres_answers(dsn: str) -> bool:
 
 
 async def _redis_answers(url: str) -> bool:
-    client = aioredis.from_url(url, socket_connect_timeout=2)
+    client = redis_client.connect(url, socket_connect_timeout=2)
     try:
         return bool(await client.ping())
     except (OSError, aioredis.RedisError):
