@@ -20,6 +20,7 @@ from herdwick.gateway.jobs import BATCH_BODY_CAP
 from herdwick.gateway.notify import canceller, notifier
 from herdwick.gateway.openapi import DOCUMENT, document, openapi
 from herdwick.gateway.problems import problem_middleware
+from herdwick.gateway.reads import read_replicas
 from herdwick.gateway.routes import register
 from herdwick.gateway.target_dns import TargetDns
 from herdwick.gateway.ui import create_ui
@@ -78,6 +79,7 @@ def create_app(settings: Settings, *, clock: Clock | None = None, db: Database |
                 await client.aclose()
 
     app.cleanup_ctx.append(resources)
+    app.cleanup_ctx.append(read_replicas(settings))  # after resources: it needs their Ctx
     register(app)
     app[DOCUMENT] = document()
     app.router.add_get("/openapi.json", openapi)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -17,6 +18,11 @@ from herdwick.gateway.submit import Network
 from herdwick.gateway.target_dns import TargetDns
 from herdwick.storage.db import Database
 from herdwick.storage.jobs import NewJob
+
+if TYPE_CHECKING:  # gateway/reads.py imports CTX from here
+    from herdwick.gateway.reads import ReadRouter
+
+T = TypeVar("T")
 
 
 async def _nothing(due: list[Near]) -> None:
@@ -45,6 +51,21 @@ class Ctx:
                                for j in jobs])
     # Called after a cancel commits: tells the workers holding those executions (LEASE_LOST).
     cancel_running: Callable[[str, list[uuid.UUID]], Awaitable[None]] = _no_workers
+    # Read replicas (gateway/reads.py): set by their cleanup context when configured.
+    reads: ReadRouter | None = None
+
+    async def read(self, tenant_id: uuid.UUID, query: Callable[[Database], Awaitable[T]]) -> T:
+        """A history read of the tenant's: `query` on a replica that has the tenant's
+        writes, or on the primary."""
+        if self.reads is None:
+            return await query(self.db)
+        return await self.reads.run(tenant_id, query)
+
+    async def wrote(self, tenant_id: uuid.UUID) -> None:
+        """After a write of the tenant's commits, before its answer: what lets its next
+        read, through any gateway, see it."""
+        if self.reads is not None:
+            await self.reads.wrote(tenant_id)
 
     @staticmethod
     def of(request: web.Request) -> Ctx:

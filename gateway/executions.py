@@ -15,6 +15,7 @@ from herdwick.ids import shard_of
 from herdwick.model import ExecutionPage, Triggered
 from herdwick.storage import history as store
 from herdwick.storage import jobs as job_store
+from herdwick.storage.db import Database
 
 
 def _execution_id(request: web.Request) -> uuid.UUID:
@@ -24,26 +25,33 @@ def _execution_id(request: web.Request) -> uuid.UUID:
 async def job_executions(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    job = await job_store.get_job(ctx.db, owner.tenant_id, job_id_of(request))
-    items, cursor = await store.job_executions(
-        ctx.db, owner.tenant_id, job.job_id, params.cursor(request, store.decode_cursor),
-        params.limit(request))
+    job_id = job_id_of(request)
+
+    async def page(db: Database):  # both on one server: the job, then its executions
+        job = await job_store.get_job(db, owner.tenant_id, job_id)  # a missing job: 404 first
+        return await store.job_executions(
+            db, owner.tenant_id, job.job_id, params.cursor(request, store.decode_cursor),
+            params.limit(request))
+
+    items, cursor = await ctx.read(owner.tenant_id, page)
     return json_response(200, ExecutionPage(items=items, next_cursor=cursor))
 
 
 async def get_execution(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    found = await store.get_execution(ctx.db, owner.tenant_id, _execution_id(request))
+    execution_id = _execution_id(request)
+    found = await ctx.read(owner.tenant_id,
+                           lambda db: store.get_execution(db, owner.tenant_id, execution_id))
     return json_response(200, found)
 
 
 async def dead_letters(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    items, cursor = await store.dead_letters(
-        ctx.db, owner.tenant_id, params.cursor(request, job_store.decode_cursor),
-        params.limit(request))
+    after, limit = params.cursor(request, job_store.decode_cursor), params.limit(request)
+    items, cursor = await ctx.read(owner.tenant_id, lambda db: store.dead_letters(
+        db, owner.tenant_id, after, limit))
     return json_response(200, ExecutionPage(items=items, next_cursor=cursor))
 
 
@@ -54,6 +62,7 @@ async def dead_letters(request: web.Request) -> web.Response:
 async def retry(ctx: Ctx, tenant_id: uuid.UUID, execution_id: uuid.UUID) -> None:
     now = ctx.clock.now()
     job_id, pool = await store.replay(ctx.db, tenant_id, execution_id, now)
+    await ctx.wrote(tenant_id)
     await ctx.notify_due([(shard_of(job_id), job_id, now, tenant_id, pool)])
 
 
@@ -61,6 +70,7 @@ async def trigger(ctx: Ctx, tenant_id: uuid.UUID, job_id: uuid.UUID) -> uuid.UUI
     job = await job_store.get_job(ctx.db, tenant_id, job_id)
     execution_id, due = await store.trigger(ctx.db, tenant_id, job.job_id, job.state,
                                             ctx.clock.now())
+    await ctx.wrote(tenant_id)
     await ctx.notify_due([(shard_of(job.job_id), job.job_id, due, tenant_id, pool_of(job))])
     return execution_id
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import uuid
 from datetime import datetime
@@ -166,7 +167,10 @@ async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: 
             if outcome.herd_total >= limit:
                 response = created([herd_warning(outcome.herd_second, limit)])
             telemetry.SUBMITTED.labels(telemetry.tenant_label(str(owner.tenant_id))).inc(len(jobs))
-            await ctx.after_submit(owner.tenant_id, jobs)
+            # Both to Redis, neither waiting for the other: the mark, and the notify of the
+            # jobs due soon.
+            await asyncio.gather(ctx.wrote(owner.tenant_id),
+                                 ctx.after_submit(owner.tenant_id, jobs))
             return json_response(201, response)
         record = await store.get_idempotency(ctx.db, owner.tenant_id, key)
         if record is None:
@@ -174,6 +178,8 @@ async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: 
         if record.request_hash != request_hash:
             raise IdempotencyKeyReused(
                 "this Idempotency-Key was used for a different request in the last 24 hours")
+        # The original may have committed and died before its mark: mark it now.
+        await ctx.wrote(owner.tenant_id)
         return web.Response(status=record.status, body=record.response,
                             content_type="application/json",
                             headers={"Idempotent-Replayed": "true"})
@@ -187,7 +193,8 @@ def job_id_of(request: web.Request) -> uuid.UUID:
 async def get_job(request: web.Request) -> web.Response:
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    job = await store.get_job(ctx.db, owner.tenant_id, job_id_of(request))
+    job_id = job_id_of(request)
+    job = await ctx.read(owner.tenant_id, lambda db: store.get_job(db, owner.tenant_id, job_id))
     return json_response(200, job, etag(job))
 
 
@@ -201,10 +208,10 @@ async def list_jobs(request: web.Request) -> web.Response:
     if name is not None and (not 1 <= len(name) <= MAX_NAME_LEN or not valid_name(name)):
         raise bad_field("name", f"a job name: 1 to {MAX_NAME_LEN} characters, no control "
                                 "characters")
-    items, cursor = await store.list_jobs(ctx.db, owner.tenant_id, state=state,
-                                          after=params.cursor(request, store.decode_cursor),
-                                          limit=params.limit(request), name=name,
-                                          labels=_label_filter(request))
+    after, limit = params.cursor(request, store.decode_cursor), params.limit(request)
+    labels = _label_filter(request)
+    items, cursor = await ctx.read(owner.tenant_id, lambda db: store.list_jobs(
+        db, owner.tenant_id, state=state, after=after, limit=limit, name=name, labels=labels))
     return json_response(200, JobPage(items=items, next_cursor=cursor))
 
 
@@ -274,6 +281,7 @@ def _cancel(job: Job, schedule: Schedule) -> Transition | None:
 
 async def _transition(ctx: Ctx, tenant_id: uuid.UUID, job_id: uuid.UUID, decide) -> Job:
     done = await store.transition_job(ctx.db, tenant_id, job_id, ctx.clock.now(), decide)
+    await ctx.wrote(tenant_id)
     if done.canceled:
         await ctx.cancel_running(pool_of(done.job), done.canceled)
     if done.due:

@@ -28,6 +28,7 @@ from herdwick.gateway.problems import HttpProblem, bad_field, invalid
 from herdwick.gateway.submit import normalised
 from herdwick.model import FieldChange, Job, JobPatch, JobSpec, RevisionPage, ScheduleOut
 from herdwick.storage import jobs as store
+from herdwick.storage.db import Database
 
 _patch_decoder = msgspec.json.Decoder(JobPatch)
 _spec_decoder = msgspec.json.Decoder(JobSpec)
@@ -124,6 +125,7 @@ async def patch_job(request: web.Request) -> web.Response:
         ctx.db, owner.tenant_id, job_id, versions=versions, new=new,
         schedule_changed="schedule" in changes, revised_by=_who(request),
         changes=_encode(changes).decode(), now=ctx.clock.now())
+    await ctx.wrote(owner.tenant_id)
     if done.due:
         await ctx.notify_due([(shard, jid, when, owner.tenant_id, pool_of(done.job))
                               for shard, jid, when in done.due])
@@ -140,8 +142,13 @@ async def job_revisions(request: web.Request) -> web.Response:
     field it changed, before and after."""
     ctx = Ctx.of(request)
     owner = await tenant_of(request, ctx.db, ctx.keys)
-    job = await store.get_job(ctx.db, owner.tenant_id, job_id_of(request))
-    items, cursor = await store.job_revisions(
-        ctx.db, owner.tenant_id, job.job_id,
-        params.cursor(request, store.decode_revision_cursor), params.limit(request))
+    job_id = job_id_of(request)
+
+    async def page(db: Database):  # both on one server: the job, then its revisions
+        job = await store.get_job(db, owner.tenant_id, job_id)  # a missing job: 404 first
+        return await store.job_revisions(
+            db, owner.tenant_id, job.job_id,
+            params.cursor(request, store.decode_revision_cursor), params.limit(request))
+
+    items, cursor = await ctx.read(owner.tenant_id, page)
     return json_response(200, RevisionPage(items=items, next_cursor=cursor))

@@ -33,6 +33,7 @@ from herdwick.gateway.ui_session import CSRF_FIELD, UI_PATH, Viewer
 from herdwick.model import JOB_STATES, Job, Schedule, ScheduleOut
 from herdwick.storage import dashboard, history
 from herdwick.storage import jobs as job_store
+from herdwick.storage.db import Database
 
 log = logs.get("herdwick.gateway")
 
@@ -268,9 +269,9 @@ async def job_list(request: web.Request) -> web.Response:
     name = request.query.get("name", "").strip() or None
     if name is not None and len(name) > MAX_NAME_FILTER:
         raise bad_field("name", f"at most {MAX_NAME_FILTER} characters")
-    items, cursor = await job_store.list_jobs(
-        _ctx(request).db, tenant.tenant_id, state=state, name_contains=name,
-        after=params.cursor(request, job_store.decode_cursor), limit=params.limit(request))
+    after, limit = params.cursor(request, job_store.decode_cursor), params.limit(request)
+    items, cursor = await _ctx(request).read(tenant.tenant_id, lambda db: job_store.list_jobs(
+        db, tenant.tenant_id, state=state, name_contains=name, after=after, limit=limit))
     return page("jobs.html", viewer=viewer, tenant=tenant, jobs=items, next_cursor=cursor,
                 state=state or "", name=name or "", states=JOB_STATES)
 
@@ -292,14 +293,20 @@ async def job_page(request: web.Request) -> web.Response:
     viewer = await _viewer(request)
     tenant = await _tenant(request, viewer)
     ctx = _ctx(request)
-    job = await job_store.get_job(ctx.db, tenant.tenant_id, job_actions.job_id_of(request))
-    summaries, cursor = await history.job_executions(
-        ctx.db, tenant.tenant_id, job.job_id, params.cursor(request, history.decode_cursor),
-        HISTORY_PAGE)
-    # Each through the API's own read (GET /v1/executions/{id}), so the page shows what
-    # the API does, every attempt included: a page's worth of small indexed reads.
-    runs = [await history.get_execution(ctx.db, tenant.tenant_id, s.execution_id)
-            for s in summaries]
+    job_id = job_actions.job_id_of(request)
+
+    async def reads(db: Database):  # all on one server, as the API's reads are
+        job = await job_store.get_job(db, tenant.tenant_id, job_id)
+        summaries, cursor = await history.job_executions(
+            db, tenant.tenant_id, job.job_id, params.cursor(request, history.decode_cursor),
+            HISTORY_PAGE)
+        # Each through the API's own read (GET /v1/executions/{id}), so the page shows what
+        # the API does, every attempt included: a page's worth of small indexed reads.
+        runs = [await history.get_execution(db, tenant.tenant_id, s.execution_id)
+                for s in summaries]
+        return job, runs, cursor
+
+    job, runs, cursor = await ctx.read(tenant.tenant_id, reads)
     fires, no_fires = _upcoming(job, ctx.clock.now())
     return page("job.html", viewer=viewer, tenant=tenant, job=job, runs=runs,
                 next_cursor=cursor, fires=fires, no_fires=no_fires,
@@ -312,7 +319,8 @@ async def execution_page(request: web.Request) -> web.Response:
     viewer = await _viewer(request)
     tenant = await _tenant(request, viewer)
     execution_id = params.path_uuid(request, "executionId", "execution")
-    run = await history.get_execution(_ctx(request).db, tenant.tenant_id, execution_id)
+    run = await _ctx(request).read(
+        tenant.tenant_id, lambda db: history.get_execution(db, tenant.tenant_id, execution_id))
     return page("execution.html", viewer=viewer, tenant=tenant, run=run,
                 did=request.query.get("did", ""))
 
@@ -320,9 +328,9 @@ async def execution_page(request: web.Request) -> web.Response:
 async def dead_letter_list(request: web.Request) -> web.Response:
     viewer = await _viewer(request)
     tenant = await _tenant(request, viewer)
-    items, cursor = await history.dead_letters(
-        _ctx(request).db, tenant.tenant_id, params.cursor(request, job_store.decode_cursor),
-        params.limit(request))
+    after, limit = params.cursor(request, job_store.decode_cursor), params.limit(request)
+    items, cursor = await _ctx(request).read(
+        tenant.tenant_id, lambda db: history.dead_letters(db, tenant.tenant_id, after, limit))
     return page("dead_letters.html", viewer=viewer, tenant=tenant, items=items,
                 next_cursor=cursor, did=request.query.get("did", ""))
 

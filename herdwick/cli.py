@@ -23,6 +23,10 @@ NOT_YET: dict[str, str] = {}
 # What each setting means, for --help.
 _SETTING_HELP = {
     "database_url": "Postgres DSN",
+    "read_database_url": "read replicas for history reads: postgresql:// URLs, comma-"
+                         "separated, one server each (unset: every read on the primary)",
+    "read_max_lag_s": "a replica further behind than this many seconds serves no read "
+                      "(default 5)",
     "redis_url": "Redis URL (redis://, rediss:// or unix://)",
     "key_prefix": "prefix of every Redis key (default hw)",
     "admin_token": "bearer token of the admin API (16+ characters; unset: admin API off)",
@@ -48,7 +52,8 @@ _ARCHIVE = ("retention_days", "archive_url", "archive_s3_endpoint")
 _USES = {
     "dev": tuple(ENV),
     "migrate": ("database_url",),
-    "api": (*_SERVICE, "admin_token", "http_allow", "api_host", "api_port", "herd_warn_jobs"),
+    "api": (*_SERVICE, "admin_token", "http_allow", "api_host", "api_port", "herd_warn_jobs",
+            "read_database_url", "read_max_lag_s"),
     "scheduler": (*_SERVICE, "dispatch_order", "ready_max", *_ARCHIVE),
     "retention": ("database_url", *_ARCHIVE),
     "http-worker": ("redis_url", "key_prefix", "http_allow"),
@@ -347,6 +352,11 @@ def _settings(args: argparse.Namespace) -> Settings:
             overrides["herd_warn_jobs"] = int(overrides["herd_warn_jobs"])
         except ValueError:
             raise ConfigError("--herd-warn-jobs must be a whole number of jobs") from None
+    if overrides.get("read_max_lag_s") is not None:
+        try:
+            overrides["read_max_lag_s"] = float(overrides["read_max_lag_s"])
+        except ValueError:
+            raise ConfigError("--read-max-lag-s must be a number of seconds") from None
     return from_env(**overrides)
 
 

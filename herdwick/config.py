@@ -26,6 +26,15 @@ MAX_RETENTION_DAYS = 36_500
 # Relative to the scheduler's working directory: fine for one node; with several, each
 # archives where it runs, so production sets a shared directory or an s3:// bucket.
 DEFAULT_ARCHIVE_URL = "./archive"
+# A replica whose replay is further behind the primary than this serves no read: the
+# gateway reads from the primary instead. At most MAX_READ_LAG_S: the tenants' write marks
+# in Redis live that long (storage/write_marks.py), and a replica may be trusted only over
+# a span the marks cover.
+DEFAULT_READ_MAX_LAG_S = 5.0
+MAX_READ_LAG_S = 60.0
+# A read URL starts where a postgres scheme follows a comma: a comma elsewhere belongs to
+# the URL (a multi-host DSN, which a read URL may not be, is then refused by name).
+_READ_URL_SPLIT = re.compile(r",\s*(?=postgres(?:ql)?://)")
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 Port = Annotated[int, Meta(ge=0, le=65535)]
@@ -39,6 +48,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     """Every setting of every process. Build with `from_env`; validates itself."""
 
     database_url: str | None = None
+    # Read replicas for the gateway's history reads: one or more postgres:// URLs, comma-
+    # separated, each naming one server (gateway/reads.py). None: every read on the primary.
+    read_database_url: str | None = None
+    read_max_lag_s: float = DEFAULT_READ_MAX_LAG_S
     redis_url: str | None = None
     key_prefix: str = DEFAULT_KEY_PREFIX
     admin_token: str | None = None
@@ -75,6 +88,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(f"HERDWICK_RETENTION_DAYS must be 1 to {MAX_RETENTION_DAYS}, "
                               f"not {self.retention_days}")
         _check_archive_url(self.archive_url)
+        self.read_database_urls  # noqa: B018 - validates HERDWICK_READ_DATABASE_URL
+        if not 0 < self.read_max_lag_s <= MAX_READ_LAG_S:
+            raise ConfigError(f"HERDWICK_READ_MAX_LAG_S must be above 0 and at most "
+                              f"{MAX_READ_LAG_S:g} seconds, not {self.read_max_lag_s:g}")
         if self.archive_s3_endpoint is not None and urllib.parse.urlsplit(
                 self.archive_s3_endpoint).scheme not in ("http", "https"):
             raise ConfigError("HERDWICK_ARCHIVE_S3_ENDPOINT must be an http:// or https:// URL")
@@ -114,6 +131,25 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         return default, pools
 
     @property
+    def read_database_urls(self) -> tuple[str, ...]:
+        """HERDWICK_READ_DATABASE_URL as its URLs; () when unset."""
+        if not self.read_database_url or not self.read_database_url.strip():
+            return ()
+        urls = tuple(u.strip() for u in _READ_URL_SPLIT.split(self.read_database_url.strip()))
+        for url in urls:
+            parts = urllib.parse.urlsplit(url)
+            if parts.scheme not in ("postgres", "postgresql"):
+                raise ConfigError(f"HERDWICK_READ_DATABASE_URL: {url[:80]!r} is not a "
+                                  "postgresql:// URL")
+            hosts = parts.netloc.rpartition("@")[2]
+            if "," in hosts or "host=" in parts.query:
+                # The gateway samples each replica's replay position over one connection and
+                # reads through others: they must reach the same server.
+                raise ConfigError(f"HERDWICK_READ_DATABASE_URL: {_redacted(url)!r} does "
+                                  "not name one host; give each replica a URL of its own")
+        return urls
+
+    @property
     def http_allow_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
         return tuple(ipaddress.ip_network(c, strict=False) for c in self.http_allow)
 
@@ -121,6 +157,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
 # setting name -> environment variable
 ENV = {
     "database_url": "HERDWICK_DATABASE_URL",
+    "read_database_url": "HERDWICK_READ_DATABASE_URL",
+    "read_max_lag_s": "HERDWICK_READ_MAX_LAG_S",
     "redis_url": "HERDWICK_REDIS_URL",
     "key_prefix": "HERDWICK_KEY_PREFIX",
     "admin_token": "HERDWICK_ADMIN_TOKEN",
@@ -134,6 +172,14 @@ ENV = {
     "archive_url": "HERDWICK_ARCHIVE_URL",
     "archive_s3_endpoint": "HERDWICK_ARCHIVE_S3_ENDPOINT",
 }
+
+
+def _redacted(url: str) -> str:
+    """A URL without its password, for messages."""
+    parts = urllib.parse.urlsplit(url)
+    user, at, hosts = parts.netloc.rpartition("@")
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user.partition(':')[0]}@{hosts}"
+                                                  if at else hosts))
 
 
 def _check_archive_url(url: str) -> None:
@@ -181,6 +227,11 @@ def _parse(field: str, var: str, value: str) -> object:
             return int(value)
         except ValueError:
             raise ConfigError(f"{var} must be a whole number of jobs, got {value!r}") from None
+    if field == "read_max_lag_s":
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{var} must be a number of seconds, got {value!r}") from None
     if field == "retention_days":
         try:
             return int(value)

@@ -117,6 +117,17 @@ API_REQUESTS = Histogram("herdwick_api_request_seconds",
                          "Gateway requests by route template, method and status",
                          ["route", "method", "status"], buckets=CALL_BUCKETS)
 SUBMITTED = Counter("herdwick_jobs_submitted_total", "Jobs accepted (201)", ["tenant"])
+READS = Counter(
+    "herdwick_api_reads_total",
+    "History reads by the server that answered (primary, or a replica as host:port/db) and "
+    "why: fresh (a replica had the tenant's writes), own_write (none had its latest yet), "
+    "no_replica (none within the lag bound, or none up), redis (its write mark unreadable), "
+    "replica_failed (the replica failed the read; the primary answered)",
+    ["server", "reason"])
+WRITE_MARKS_FAILED = Counter(
+    "herdwick_write_marks_failed_total",
+    "Writes whose mark Redis refused: each waited for the replicas to replay it before its "
+    "answer")
 
 
 @contextmanager
@@ -140,6 +151,13 @@ GAUGES = {
     "herdwick_http_breakers": "Targets this http worker knows, by their breaker's state",
     "herdwick_http_breaker_state": "Each target's breaker as this http worker last saw it: "
                                    "0 closed, 1 half-open (probing), 2 open",
+    "herdwick_replica_up": "1 while this gateway trusts the read replica (it answers, is in "
+                           "recovery and streams), else 0",
+    "herdwick_replica_lag_seconds": "How long ago the newest commit the replica is known to "
+                                    "have was made (an upper bound, within the 0.1-0.2 s "
+                                    "sampling)",
+    "herdwick_replica_lag_bytes": "WAL the primary had written at the last sample that the "
+                                  "replica had not replayed",
 }
 
 

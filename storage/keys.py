@@ -35,6 +35,13 @@ def tenant_bucket(prefix: str, tenant_id: str) -> str:
     return f"{prefix}:{{t.{tenant_id}}}:bucket"
 
 
+def tenant_wrote(prefix: str, tenant_id: str) -> str:
+    """The tenant's last write through any gateway: a key set after each commit with a
+    fixed time to live, so its remaining TTL says how long ago that was (storage/write_marks.py);
+    in the tenant's slot, beside its bucket."""
+    return f"{prefix}:{{t.{tenant_id}}}:wrote"
+
+
 def notify_channel(prefix: str) -> str:
     """Pub/sub channel: the gateway announces near-due submissions to the shard owners."""
     return f"{prefix}:notify"
