@@ -56,6 +56,9 @@ WAIT_S = 0.02  # after a round that found no room (or no tokens), look again thi
 # at its own attempt, instead of the sweeper republishing it as the next one.
 PUBLISH_RETRIES_S = (0.05, 0.2, 0.5, 1.0, 2.0, 2.0, 2.0)
 ORDERS = ("fair", "fifo")
+# How long sync tenants sit out when their dispatcher's mailbox is full (their commits
+# wait for a standby that is slow or gone).
+SYNC_BEHIND_S = 0.2
 _NO_LIMITS = TenantLimits()
 
 
@@ -64,7 +67,8 @@ class FairQueue(Actor):
 
     def __init__(self, pool: str, *, hot: HotTier, clock: Clock,
                  dispatchers: list[Actor], limits: Mapping[str, TenantLimits],
-                 lag: dict[str, Histogram], order: str = "fair", cap: int = 0) -> None:
+                 lag: dict[str, Histogram], order: str = "fair", cap: int = 0,
+                 sync_dispatcher: Actor | None = None) -> None:
         super().__init__(clock=clock)
         if order not in ORDERS:
             raise ValueError(f"dispatch order must be one of {ORDERS}, not {order!r}")
@@ -72,6 +76,9 @@ class FairQueue(Actor):
         self.pool = pool
         self._hot = hot
         self._dispatchers = itertools.cycle(dispatchers)
+        # Sync tenants' work (their commits wait for the standbys) goes to this one alone,
+        # so a slow or absent standby holds back only them. None: with the others.
+        self._sync_dispatcher = sync_dispatcher
         # Read only: the scheduler replaces entries as tenants' settings change.
         self._limits = limits
         self._fair = order == "fair"
@@ -206,17 +213,35 @@ class FairQueue(Actor):
         return kept
 
     def _send(self, picked: list[tuple[str, int]], slots: int) -> None:
+        if self._sync_dispatcher is None:
+            self._send_to(next(self._dispatchers), picked, slots)
+            return
+        sync = [p for p in picked if self._limits.get(p[0], _NO_LIMITS).sync]
+        if len(sync) < len(picked):
+            rest = [p for p in picked if not self._limits.get(p[0], _NO_LIMITS).sync]
+            self._send_to(next(self._dispatchers), rest, len(rest))
+        if sync:
+            if not self._send_to(self._sync_dispatcher, sync, len(sync), hold_round=False):
+                # Behind on the standbys: their tenants sit out a while, so their share of
+                # the rounds meanwhile goes to the others instead of being picked in vain.
+                until = time.monotonic() + SYNC_BEHIND_S
+                self._blocked.update({tenant: until for tenant, _ in sync})
+
+    def _send_to(self, dispatcher: Actor, picked: list[tuple[str, int]], slots: int, *,
+                 hold_round: bool = True) -> bool:
         works = sorted(work for _, work in picked)  # primary-key order: fewer lock waits
         shards = {item_shard(w) for w in works}
         due = Due(self.pool, {s: self._revisions[s] for s in shards},
                   [item_key(w) for w in works], works, slots)
-        dispatcher = next(self._dispatchers)
         if dispatcher.stopped or not dispatcher.try_send(due):
             # Its mailbox is full: dispatch is behind. Hand it back and wait a round.
             for tenant, work in picked:
                 self._policy.put_back(tenant, [work])
             self._release += slots
-            self._next_round = time.monotonic() + WAIT_S
+            if hold_round:
+                self._next_round = time.monotonic() + WAIT_S
+            return False
+        return True
 
     async def _publish(self, publish: Publish) -> None:
         slots = sum(d.slots for d in publish.dues)

@@ -91,7 +91,8 @@ class Scheduler:
         # Leases are checked against the database's clock unless a test injected one.
         self._db_now = clock is None
         self.lag: dict[str, Histogram] = {}  # tenant -> dispatch lag; written by fair queues
-        # tenant id -> weight and quota: written by _refresh_limits alone, read by fair queues
+        # tenant id -> weight, quota and durability: written by _refresh_limits alone, read
+        # by fair queues
         self.limits: dict[str, TenantLimits] = {}
         self._limits_seen: datetime | None = None
         self._order = settings.dispatch_order
@@ -119,7 +120,9 @@ class Scheduler:
         await self.refresh_limits()
         await self._core.__aenter__()
         await self._shards.__aenter__()
-        for i in range(self._dispatch_count):
+        # One more than asked, the last for sync tenants' work alone: its commits wait for
+        # the synchronous standbys, so no other tenant's dispatch waits behind them.
+        for i in range(self._dispatch_count + 1):
             actor = DispatchActor(db=self.db, node_id=self.node_id, clock=self.clock,
                                   publish=self._publish, lease_lost=self._lease_lost,
                                   cancel=self._cancel_execution, db_now=self._db_now)
@@ -229,7 +232,9 @@ class Scheduler:
         if queue is None:
             default, caps = self._caps
             queue = FairQueue(pool, hot=self.hot, clock=self.clock,
-                              dispatchers=self.dispatchers, limits=self.limits, lag=self.lag,
+                              dispatchers=self.dispatchers[:-1],
+                              sync_dispatcher=self.dispatchers[-1], limits=self.limits,
+                              lag=self.lag,
                               order=self._order, cap=caps.get(pool, default))
             self._pools[pool] = queue
             await self._core.start(f"pool-{pool}", lambda: queue)

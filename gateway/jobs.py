@@ -161,7 +161,8 @@ async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: 
     for _ in range(2):
         outcome = await store.insert_jobs(
             ctx.db, owner.tenant_id, jobs, now=ctx.clock.now(), idempotency=idem,
-            max_active_jobs=owner.max_active_jobs, herd=herd)
+            max_active_jobs=owner.max_active_jobs, herd=herd,
+            sync=owner.durability == "sync")
         if outcome.inserted:
             response = plain
             if outcome.herd_total >= limit:

@@ -19,6 +19,7 @@ from herdwick import logs
 from herdwick.config import ENV, ConfigError, Settings, from_env
 
 NOT_YET: dict[str, str] = {}
+DURABILITIES = ("async", "sync")  # herdwick.model.Durability
 
 # What each setting means, for --help.
 _SETTING_HELP = {
@@ -173,6 +174,9 @@ def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
                              "second of --rate")
     create.add_argument("--max-active-jobs", type=int, default=None, metavar="N",
                         help="most active or paused jobs at once; default unlimited")
+    create.add_argument("--durability", choices=DURABILITIES, default="async",
+                        help="sync: its submits and dispatches wait for the synchronous "
+                             "standbys to apply them (remote_apply); default async")
     update = command(tenant_sub, "update", "change a tenant's share and limits; every "
                                            "scheduler applies them within seconds",
                      "tenant update")
@@ -184,6 +188,9 @@ def _parser(loadtest_flags: bool = False) -> argparse.ArgumentParser:
                         help="the quota's burst, or none for one second of the rate")
     update.add_argument("--max-active-jobs", default=None, metavar="N|none",
                         help="most active or paused jobs, or none to lift the limit")
+    update.add_argument("--durability", choices=DURABILITIES, default=None,
+                        help="sync: its submits and dispatches wait for the synchronous "
+                             "standbys to apply them; async: the server's setting")
     rotate = command(tenant_sub, "rotate-secret", "give a tenant a new signing secret; the "
                                                   "old one signs too until the overlap ends",
                      "tenant rotate-secret")
@@ -538,7 +545,8 @@ async def _tenant_create(settings: Settings, args: argparse.Namespace) -> int:
     try:
         spec = msgspec.convert({"name": args.name, "weight": args.weight,
                                 "dispatchRate": args.rate, "burst": args.burst,
-                                "maxActiveJobs": args.max_active_jobs}, TenantSpec)
+                                "maxActiveJobs": args.max_active_jobs,
+                                "durability": args.durability}, TenantSpec)
     except msgspec.ValidationError as exc:
         print(f"herdwick tenant create: {exc}", file=sys.stderr)
         return 2
@@ -660,6 +668,8 @@ async def _tenant_update(settings: Settings, args: argparse.Namespace) -> int:
               "burst": _patch_value(args.burst),
               "maxActiveJobs": _patch_value(args.max_active_jobs)}
     body = {k: (None if v == "none" else v) for k, v in fields.items() if v is not None}
+    if args.durability is not None:
+        body["durability"] = args.durability
     try:
         tenant_id = uuid.UUID(args.tenant_id)
         patch = msgspec.convert(body, TenantPatch)
@@ -667,8 +677,8 @@ async def _tenant_update(settings: Settings, args: argparse.Namespace) -> int:
         print(f"herdwick tenant update: {exc}", file=sys.stderr)
         return 2
     if not body:
-        print("herdwick tenant update: nothing to change (give --weight, --rate, --burst or "
-              "--max-active-jobs)", file=sys.stderr)
+        print("herdwick tenant update: nothing to change (give --weight, --rate, --burst, "
+              "--max-active-jobs or --durability)", file=sys.stderr)
         return 2
     db = await Database.connect(settings.database_url, max_size=1)
     try:

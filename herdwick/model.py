@@ -117,6 +117,9 @@ TargetType = Literal["http", "queue"]
 Overlap = Literal["allow", "forbid", "replace"]
 Misfire = Literal["skip", "catch_up"]
 JobState = Literal["active", "paused", "canceled", "completed"]
+# A tenant's: "sync" submits and dispatches commit with synchronous_commit = remote_apply
+# (they wait for the synchronous standbys); "async" leaves the server's setting.
+Durability = Literal["async", "sync"]
 ExecutionState = Literal[
     "queued", "running", "retry_wait", "succeeded", "dead", "canceled", "skipped", "dry_run"
 ]
@@ -334,6 +337,7 @@ class TenantSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, renam
     burst: Burst | None = None
     max_active_jobs: MaxActiveJobs | None = None
     dry_run: bool = False  # every job of the tenant runs dry
+    durability: Durability = "async"
 
     def __post_init__(self) -> None:
         _as_ints(self, "weight", "max_active_jobs")
@@ -351,6 +355,7 @@ class TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rena
     burst: Burst | msgspec.UnsetType | None = msgspec.UNSET
     max_active_jobs: MaxActiveJobs | msgspec.UnsetType | None = msgspec.UNSET
     dry_run: bool | msgspec.UnsetType = msgspec.UNSET
+    durability: Durability | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
         _as_ints(self, "weight", "max_active_jobs")
@@ -370,6 +375,7 @@ class Tenant(msgspec.Struct, kw_only=True, rename="camel"):
     burst: float | None
     max_active_jobs: int | None
     dry_run: bool
+    durability: Durability
     created_at: datetime
     updated_at: datetime
 

@@ -107,13 +107,14 @@ class Database:
         self.pool = pool
 
     @classmethod
-    async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10) -> Database:
+    async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10,
+                      command_timeout_s: float = COMMAND_TIMEOUT_S) -> Database:
         with translated():
             pool = await asyncpg.create_pool(
                 dsn,
                 min_size=min_size,
                 max_size=max_size,
-                command_timeout=COMMAND_TIMEOUT_S,
+                command_timeout=command_timeout_s,
                 timeout=CONNECT_TIMEOUT_S,
                 server_settings={"timezone": "UTC", "application_name": "herdwick"},
                 reset=_keep_session,

@@ -44,6 +44,7 @@ class Claimed(msgspec.Struct, frozen=True, kw_only=True):
     backoff_s: float
     target: str = ""  # an http job's URL
     dry_run: bool = False  # the job's flag or its tenant's: record occurrences, publish none
+    sync: bool = False  # its tenant's durability is sync: the commit waits for the standbys
 
 
 class NewExecution(msgspec.Struct, frozen=True):
@@ -130,7 +131,7 @@ def _claimed(row) -> Claimed:
                    payload=row["payload"], schedule=row["schedule"],
                    timeout_s=row["timeout_s"], state=row["state"],
                    max_attempts=row["max_attempts"], backoff_s=row["backoff_s"],
-                   target=row["target"], dry_run=row["dry_run"])
+                   target=row["target"], dry_run=row["dry_run"], sync=row["sync"])
 
 
 async def dispatch(db: Database, node_id: str, revisions: dict[int, int], keys: list[DueKey],
@@ -158,6 +159,7 @@ async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
         claimed = [_claimed(r) for r in rows if r["job_id"] is not None]
         if not claimed:
             return Dispatched(held=held, claimed=[], queued=[])
+        await _durable_enough(conn, claimed)
         decided = plan(claimed)
         replaced = []
         if decided.replace:
@@ -195,7 +197,20 @@ async def reject(db: Database, node_id: str, revisions: dict[int, int], keys: li
                   for c in claimed]
         if not failed:
             return 0
+        await _durable_enough(conn, claimed)
         return await conn.fetchval(q("fail_claimed"), now, *_failed_args(failed))
+
+
+async def _durable_enough(conn, claimed: list[Claimed]) -> None:
+    """A sync tenant's rows among the claimed: this transaction commits with remote_apply.
+
+    Decided on what claim_due read of the tenants, not on the scheduler's copy of their
+    settings (a few seconds old): a tenant just made sync is never dispatched without it.
+    The dispatcher sends sync tenants' work in transactions of its own, so this costs
+    others nothing; a mixed batch (a setting that changed meanwhile) waits whole.
+    """
+    if any(c.sync for c in claimed):
+        await conn.execute(q("commit_remote_apply"))
 
 
 def _failed_args(failed: list[Failed]) -> tuple[list, ...]:

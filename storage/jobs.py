@@ -96,28 +96,39 @@ async def insert_jobs(
     idempotency: NewIdempotency | None = None,
     max_active_jobs: int | None = None,
     herd: HerdCheck | None = None,
+    sync: bool = False,
 ) -> InsertOutcome:
     """Insert jobs, their due_index rows and the idempotency record atomically.
 
     A tenant with max_active_jobs takes a per-tenant advisory lock and counts
     first; unlimited tenants (the common case) pay one statement, no lock.
-    Without `herd` no second is checked.
+    Without `herd` no second is checked. `sync` (a sync tenant's): the commit
+    answers once the synchronous standbys have applied it; a transaction of its
+    own, so only those submits pay its round trips.
     """
     args = _insert_args(tenant_id, jobs, now, idempotency, herd)
-    if max_active_jobs is None:
+    if max_active_jobs is None and not sync:
         async with db.connection() as conn:
             row = await conn.fetchrow(q("insert_jobs"), *args)
     else:
         async with db.transaction() as conn:
-            await conn.execute(q("tenant_quota_lock"), tenant_id)
-            live = await conn.fetchval(q("count_live_jobs"), tenant_id)
-            if live + len(jobs) > max_active_jobs:
-                raise QuotaExceeded(
-                    f"the tenant has {live} active or paused jobs; max_active_jobs is "
-                    f"{max_active_jobs}", QUOTA_RETRY_AFTER_S)
+            if sync:
+                await conn.execute(q("commit_remote_apply"))
+            if max_active_jobs is not None:
+                await _within_quota(conn, tenant_id, len(jobs), max_active_jobs)
             row = await conn.fetchrow(q("insert_jobs"), *args)
     return InsertOutcome(inserted=row["inserted"], herd_second=row["herd_second"],
                          herd_total=row["herd_total"])
+
+
+async def _within_quota(conn, tenant_id: uuid.UUID, adding: int, max_active_jobs: int) -> None:
+    """Under the tenant's quota lock (held to the commit), or QuotaExceeded."""
+    await conn.execute(q("tenant_quota_lock"), tenant_id)
+    live = await conn.fetchval(q("count_live_jobs"), tenant_id)
+    if live + adding > max_active_jobs:
+        raise QuotaExceeded(
+            f"the tenant has {live} active or paused jobs; max_active_jobs is "
+            f"{max_active_jobs}", QUOTA_RETRY_AFTER_S)
 
 
 def _insert_args(tenant_id: uuid.UUID, jobs: list[NewJob], now: datetime,

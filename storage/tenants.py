@@ -23,6 +23,7 @@ class KeyOwner(msgspec.Struct, frozen=True):
 
     tenant_id: uuid.UUID
     max_active_jobs: int | None
+    durability: str = "async"  # "sync": its submits commit with remote_apply
 
 
 async def create_tenant(db: Database, spec: TenantSpec, now: datetime) -> TenantCreated:
@@ -32,7 +33,8 @@ async def create_tenant(db: Database, spec: TenantSpec, now: datetime) -> Tenant
     async with db.connection() as conn:
         await conn.execute(
             q("create_tenant"), tenant_id, spec.name, spec.weight, spec.dispatch_rate,
-            spec.max_active_jobs, secret, hash_api_key(api_key), now, spec.burst, spec.dry_run)
+            spec.max_active_jobs, secret, hash_api_key(api_key), now, spec.burst, spec.dry_run,
+            spec.durability)
     return TenantCreated(tenant_id=tenant_id, api_key=api_key, signing_secret=secret)
 
 
@@ -42,14 +44,15 @@ async def owner_of_key(db: Database, api_key: str) -> KeyOwner | None:
         row = await conn.fetchrow(q("tenant_by_key"), digest)
     if row is None or not same_secret(row["key_hash"], digest):
         return None
-    return KeyOwner(tenant_id=row["tenant_id"], max_active_jobs=row["max_active_jobs"])
+    return KeyOwner(tenant_id=row["tenant_id"], max_active_jobs=row["max_active_jobs"],
+                    durability=row["durability"])
 
 
 def _tenant(row: asyncpg.Record) -> Tenant:
     return Tenant(tenant_id=row["tenant_id"], name=row["name"], weight=row["weight"],
                   dispatch_rate=row["dispatch_rate"], burst=row["burst"],
                   max_active_jobs=row["max_active_jobs"], dry_run=row["dry_run"],
-                  created_at=row["created_at"],
+                  durability=row["durability"], created_at=row["created_at"],
                   updated_at=row["updated_at"])
 
 
@@ -66,7 +69,7 @@ async def patch_tenant(db: Database, tenant_id: uuid.UUID, patch: TenantPatch) -
         return (False, None) if value is msgspec.UNSET else (True, value)
 
     args = (*field(patch.weight), *field(patch.dispatch_rate), *field(patch.max_active_jobs),
-            *field(patch.burst), *field(patch.dry_run))
+            *field(patch.burst), *field(patch.dry_run), *field(patch.durability))
     async with db.connection() as conn:
         row = await conn.fetchrow(q("patch_tenant"), tenant_id, *args)
     if row is None:
@@ -75,11 +78,14 @@ async def patch_tenant(db: Database, tenant_id: uuid.UUID, patch: TenantPatch) -
 
 
 class TenantLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """What a fair queue needs of a tenant: its share and its dispatch-rate quota."""
+    """What a fair queue needs of a tenant: its share, its dispatch-rate quota, and whether
+    its dispatches commit with remote_apply (sync: sent in dispatches of their own, so the
+    others never wait for a standby on its account)."""
 
     weight: int = 1
     rate: float | None = None  # dispatches a second; None: no quota
     burst: float | None = None  # tokens its bucket holds; None: one second of the rate
+    sync: bool = False
 
     @property
     def bucket_size(self) -> float:
@@ -93,7 +99,9 @@ async def limits_since(db: Database,
     async with db.connection() as conn:
         rows = await conn.fetch(q("tenant_limits_since"), since)
     changed = {str(r["tenant_id"]): TenantLimits(weight=r["weight"], rate=r["dispatch_rate"],
-                                                 burst=r["burst"]) for r in rows}
+                                                 burst=r["burst"],
+                                                 sync=r["durability"] == "sync")
+               for r in rows}
     return changed, rows[-1]["updated_at"] if rows else since
 
 

@@ -16,7 +16,8 @@ LIMIT $3;
 -- it was paused). Then deletes the due rows of the held shards - the delete
 -- is the claim: a row already gone (paused, canceled, dispatched) is not
 -- dispatched - and returns each claimed row with what dispatch needs of its job
--- (dry_run: the job's flag or its tenant's).
+-- (dry_run: the job's flag or its tenant's; sync: its tenant's durability is sync, so
+-- this transaction must commit with remote_apply).
 -- Always returns at least one row, whose `held` lists the held shards.
 WITH held AS (
     SELECT l.shard_id
@@ -39,7 +40,7 @@ SELECT (SELECT coalesce(array_agg(shard_id), '{}') FROM held) AS held,
        j.tenant_id, j.pool, j.payload::text AS payload, j.schedule::text AS schedule,
        j.timeout_s, j.state, j.max_attempts, j.backoff_s,
        CASE WHEN j.target_type = 'http' THEN j.target_ref ELSE '' END AS target,
-       j.dry_run OR t.dry_run AS dry_run
+       j.dry_run OR t.dry_run AS dry_run, t.durability = 'sync' AS sync
 FROM (SELECT 1) AS one
 LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id
            JOIN tenants t ON t.tenant_id = j.tenant_id) ON true;

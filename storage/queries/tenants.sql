@@ -2,8 +2,8 @@
 -- Inserts a tenant and its first API key (hash only) in one statement.
 WITH t AS (
     INSERT INTO tenants (tenant_id, name, weight, dispatch_rate, max_active_jobs, signing_secret,
-                         created_at, updated_at, burst, dry_run)
-    VALUES ($1, $2, $3, $4, $5, $6, $8, $8, $9, $10)
+                         created_at, updated_at, burst, dry_run, durability)
+    VALUES ($1, $2, $3, $4, $5, $6, $8, $8, $9, $10, $11)
     RETURNING tenant_id
 )
 INSERT INTO api_keys (key_hash, tenant_id, created_at)
@@ -11,13 +11,13 @@ SELECT $7, tenant_id, $8 FROM t;
 
 -- name: tenant_by_key
 -- Resolves an API key's hash to its tenant; revoked keys resolve to nothing.
-SELECT k.key_hash, t.tenant_id, t.max_active_jobs
+SELECT k.key_hash, t.tenant_id, t.max_active_jobs, t.durability
 FROM api_keys k JOIN tenants t USING (tenant_id)
 WHERE k.key_hash = $1 AND k.revoked_at IS NULL;
 
 -- name: get_tenant
-SELECT tenant_id, name, weight, dispatch_rate, burst, max_active_jobs, dry_run, created_at,
-       updated_at
+SELECT tenant_id, name, weight, dispatch_rate, burst, max_active_jobs, dry_run, durability,
+       created_at, updated_at
 FROM tenants WHERE tenant_id = $1;
 
 -- name: patch_tenant
@@ -29,14 +29,16 @@ UPDATE tenants SET
     max_active_jobs = CASE WHEN $6 THEN $7 ELSE max_active_jobs END,
     burst           = CASE WHEN $8 THEN $9 ELSE burst END,
     dry_run         = CASE WHEN $10 THEN $11 ELSE dry_run END,
+    durability      = CASE WHEN $12 THEN $13 ELSE durability END,
     updated_at      = greatest(clock_timestamp(), updated_at + interval '1 microsecond')
 WHERE tenant_id = $1
-RETURNING tenant_id, name, weight, dispatch_rate, burst, max_active_jobs, dry_run, created_at,
-          updated_at;
+RETURNING tenant_id, name, weight, dispatch_rate, burst, max_active_jobs, dry_run, durability,
+          created_at, updated_at;
 
 -- name: tenant_limits_since
--- What the schedulers' fair queues need of each tenant, changed after $1 (all when NULL).
-SELECT tenant_id, weight, dispatch_rate, burst, updated_at
+-- What the schedulers' fair queues need of each tenant, changed after $1 (all when NULL):
+-- its share, its quota, and its durability (sync tenants' work is dispatched apart).
+SELECT tenant_id, weight, dispatch_rate, burst, durability, updated_at
 FROM tenants WHERE $1::timestamptz IS NULL OR updated_at > $1
 ORDER BY updated_at;
 

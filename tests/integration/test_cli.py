@@ -54,11 +54,13 @@ FLAGS = {
                      "--archive-s3-endpoint"},
     ("worker",): {"--redis-url", "--key-prefix"},
     ("api",): {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
-               "--api-host", "--api-port", "--herd-warn-jobs"},
+               "--api-host", "--api-port", "--herd-warn-jobs", "--read-database-url",
+               "--read-max-lag-s"},
 }
 SETTINGS = {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
             "--api-host", "--api-port", "--dispatch-order", "--ready-max", "--herd-warn-jobs",
-            "--retention-days", "--archive-url", "--archive-s3-endpoint"}
+            "--retention-days", "--archive-url", "--archive-s3-endpoint", "--read-database-url",
+            "--read-max-lag-s"}
 
 
 @pytest.mark.parametrize("command", list(FLAGS), ids=" ".join)
@@ -121,6 +123,25 @@ async def test_tenant_update_changes_the_share_and_lifts_limits(db_url, db) -> N
     code, _, err = await herdwick("tenant", "update", tenant_id, "--rate", "fast",
                                   "--database-url", db_url)
     assert code == 2 and "fast" in err
+
+
+async def test_tenant_durability_is_async_unless_asked_and_can_change(db_url, db) -> None:
+    code, out, err = await herdwick("tenant", "create", "bank", "--durability", "sync",
+                                    "--database-url", db_url)
+    assert code == 0, err
+    tenant_id = dict(line.split(":", 1) for line in out.splitlines())["tenant id"].strip()
+    code, out, err = await herdwick("tenant", "create", "shop", "--database-url", db_url)
+    assert code == 0, err
+    async with db.connection() as conn:
+        assert dict(await conn.fetch("SELECT name, durability FROM tenants")) == {
+            "bank": "sync", "shop": "async"}
+    code, out, err = await herdwick("tenant", "update", tenant_id, "--durability", "async",
+                                    "--database-url", db_url)
+    assert code == 0, err
+    assert json.loads(out)["durability"] == "async"
+    code, _, err = await herdwick("tenant", "update", tenant_id, "--durability", "quorum",
+                                  "--database-url", db_url)
+    assert code == 2 and "quorum" in err
 
 
 async def test_tenant_rotate_secret_prints_the_new_secret_and_hands_it_to_redis(

@@ -12,8 +12,14 @@ import time
 
 import pytest
 
+from herdwick.actors.base import Actor
+from herdwick.actors.fairqueue import FairQueue
+from herdwick.actors.messages import Due, Handed, Ready, item
+from herdwick.clock import to_us
 from herdwick.storage import keys
+from herdwick.storage.hot import HotTier
 from herdwick.storage.protocol import Protocol
+from herdwick.storage.tenants import TenantLimits
 from tests.integration.conftest import make_job
 from tests.integration.stack import advance
 
@@ -180,3 +186,40 @@ async def test_over_its_active_job_limit_a_tenant_gets_429(api) -> None:
     over = await api.submit(make_job(), key=key)
     assert over.status == 429
     assert int(over.headers["Retry-After"]) > 0
+
+
+async def test_sync_tenants_work_goes_to_a_dispatcher_of_its_own_and_waits_when_it_is_behind(
+        redis_client, key_prefix, clock) -> None:
+    """A sync tenant's dispatch commits wait for the standbys, so its work goes in Dues of its
+    own to a dispatcher of its own (the dispatchers here are bare mailboxes); when that one
+    is behind, the tenant sits out and the others' work goes on."""
+    hot = HotTier(redis_client, key_prefix)
+    await hot.load_functions()
+    general, for_sync = Actor(clock=clock), Actor(clock=clock, mailbox_size=1)
+    queue = FairQueue(POOL, hot=hot, clock=clock, dispatchers=[general],
+                      sync_dispatcher=for_sync, lag={},
+                      limits={"careful": TenantLimits(sync=True)})
+    due_us = to_us(clock.now())
+
+    async def hand(tenant: str, first: int, count: int) -> None:
+        items = [(tenant, item(due_us, 7, n)) for n in range(first, first + count)]
+        await queue.handle(Ready(7, 1, items, Handed(count)))  # a round runs at once
+
+    def dues(actor: Actor) -> list[Due]:
+        taken = []
+        while not actor.mailbox.empty():
+            taken.append(actor.mailbox.get_nowait())
+        return taken
+
+    await hand("careful", 0, 3)
+    await hand("casual", 100, 3)
+    assert for_sync.mailbox.full()  # the careful tenant's Due, alone
+    [casual] = dues(general)
+    assert [k.job_id.int for k in casual.keys] == [100, 101, 102]
+
+    await hand("careful", 3, 2)  # its dispatcher is behind: this waits in the queue
+    await hand("casual", 103, 2)
+    assert [k.job_id.int for d in dues(general) for k in d.keys] == [103, 104]
+    assert queue.backlog == 2
+    [careful] = dues(for_sync)
+    assert [k.job_id.int for k in careful.keys] == [0, 1, 2]

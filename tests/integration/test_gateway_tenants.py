@@ -54,7 +54,9 @@ async def test_create_validates_fields(api: Api) -> None:
     for body, field in [({}, "name"), ({"name": "x", "weight": 0}, "weight"),
                         ({"name": "x", "dispatchRate": -1}, "dispatchRate"),
                         ({"name": "x", "maxActiveJobs": 0}, "maxActiveJobs"),
-                        ({"name": "x", "plan": "gold"}, "plan")]:
+                        ({"name": "x", "plan": "gold"}, "plan"),
+                        ({"name": "x", "durability": "quorum"}, "durability"),
+                        ({"name": "x", "durability": None}, "durability")]:
         resp = await api.client.post("/v1/tenants", json=body, headers=ADMIN)
         assert resp.status == 422, body
         assert (await resp.json())["errors"][0]["field"] == field
@@ -72,6 +74,25 @@ async def test_patch_changes_only_named_fields_and_lifts_limits(api: Api) -> Non
     missing = await api.client.patch("/v1/tenants/0190c1d2-0000-7000-8000-000000000000",
                                      json={"weight": 2}, headers=ADMIN)
     assert missing.status == 404
+
+
+async def test_durability_is_async_unless_asked_and_patchable(api: Api, db) -> None:
+    plain = await api.create_tenant("plain")
+    made = await api.create_tenant("bank", durability="sync")
+    path = f"/v1/tenants/{made['tenantId']}"
+    async with db.connection() as conn:
+        assert dict(await conn.fetch("SELECT name, durability FROM tenants "
+                                     "WHERE name IN ('plain', 'bank')")) == {
+            "plain": "async", "bank": "sync"}
+    got = await api.client.patch(path, json={"weight": 2}, headers=ADMIN)
+    assert (await got.json())["durability"] == "sync"  # left as it was
+    got = await api.client.patch(path, json={"durability": "async"}, headers=ADMIN)
+    assert got.status == 200 and (await got.json())["durability"] == "async"
+    for bad in ("quorum", None, 1):
+        refused = await api.client.patch(f"/v1/tenants/{plain['tenantId']}",
+                                         json={"durability": bad}, headers=ADMIN)
+        assert refused.status == 422, bad
+        assert (await refused.json())["errors"][0]["field"] == "durability"
 
 
 async def test_rotate_secret_keeps_the_old_one_signing_for_a_day_by_default(api: Api) -> None:
