@@ -78,6 +78,8 @@ class Sweeper(Actor):
                 await self._hot.load_functions()
                 self._hot.forget_groups()
                 self._lost_at = now
+            else:  # a cluster node new to the slots, say, may lack the library
+                await self._hot.ensure_functions()
             if self._lost_at is not None:
                 return await self._after_loss(now)
             return await self._sweep(now - timedelta(seconds=GRACE_S), everything=False)

@@ -66,6 +66,7 @@ SETTLE_S = 5.0  # how long a cancelled handler may take to unwind before it is a
 EVIDENCE_S = 30.0
 EVIDENCE_MAX = 20_000
 EPOCH_POLL_S = 1.0  # how often a worker looks whether Redis lost its data (the epoch key)
+EPOCH_STOP_S = 2.0  # at shutdown, how long the epoch watcher may take to finish its look
 RECOVER_CHUNK = 500  # completions per hw_recover call
 GIVE_UP_LEASE_S = "0.001"  # the renewal a worker that stepped down sends: ends the lease
 
@@ -894,6 +895,10 @@ class Worker:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            # The epoch watcher ends between two calls (a call cancelled mid-flight can
+            # leave its connection unclosed); it is cancelled only if it does not.
+            self._request_stop()
+            await asyncio.wait([epochs], timeout=EPOCH_STOP_S)
             epochs.cancel()
             await asyncio.gather(epochs, return_exceptions=True)
             await self._drain(grace_s)
@@ -910,27 +915,51 @@ class Worker:
     async def _watch_epoch(self, calls: _Calls, epoch_key: str) -> None:
         """Every EPOCH_POLL_S: has Redis a new epoch, i.e. did it lose its data? Then the
         recent completions go again (before the sweeper, which waits for them, re-runs
-        what Postgres still has running). A missing epoch waits for a scheduler to set one."""
-        seen = None
-        while True:
+        what Postgres still has running). A missing epoch waits for a scheduler to set one.
+        They go again, too, when another server process now serves the pool's keys (its
+        run_id changed): a failover (a cluster's replica promoted) or a restart from disk
+        may lack the last completions the old process acknowledged, while the epoch
+        key, older, survived."""
+        seen = serving = None
+        while not self._stopping.is_set():
             try:
                 epoch = await calls.pipeline.submit("GET", epoch_key)
+                now_serving = await self._serving(calls)
             except REDIS_ERRORS:
-                epoch = None  # unreachable, or restarting: look again
+                epoch = now_serving = None  # unreachable, or restarting: look again
             if epoch is not None:
                 if seen is not None and epoch != seen:
                     await self._recover(calls)
-                seen = epoch
-            await asyncio.sleep(EPOCH_POLL_S * random.uniform(0.8, 1.0))
+                elif serving is not None and now_serving != serving:
+                    await self._recover(calls, after="failover")
+                seen, serving = epoch, now_serving
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(),
+                                       EPOCH_POLL_S * random.uniform(0.8, 1.0))
 
-    async def _recover(self, calls: _Calls) -> None:
+    async def _serving(self, calls: _Calls) -> str | None:
+        """The run_id of the server process that serves this pool's keys now."""
+        client = calls.client
+        try:
+            if redis_client.is_cluster(client):
+                info = await client.info("server",
+                                         target_nodes=client.get_node_from_key(self._ready))
+            else:
+                info = await calls.pipeline.submit("INFO", "server")
+        except ResponseError:  # an ACL without INFO: the epoch alone tells a loss
+            return None
+        return info.get("run_id") if isinstance(info, dict) else None
+
+    async def _recover(self, calls: _Calls, after: str = "data_lost") -> None:
         try:
             recovered = await calls.recover()
         except REDIS_ERRORS as exc:  # the sweeper re-runs them: at least once, still
             log.warning("recover_failed", pool=self.pool, error=exc)
             return
-        log.warning("completions_recovered", pool=self.pool, count=recovered,
-                    hint="Redis lost its data; these completions were sent again")
+        if after == "data_lost" or recovered:
+            log.warning("completions_recovered", pool=self.pool, count=recovered, after=after,
+                        hint="Redis lost completions it had acknowledged; these were sent "
+                             "again")
 
     async def _watch(self, stop: asyncio.Event) -> None:
         await stop.wait()

@@ -57,7 +57,7 @@ the attempt started.)
              job_id, tenant_id and scheduled_for are '' when the hash is gone
 ]]
 
-local LIBRARY_VERSION = '15'
+local LIBRARY_VERSION = '16'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- A done, dead or canceled hash keeps only its attempt and state, for this long:
 -- a late republish of that attempt (a scheduler retrying a publish whose reply it
@@ -582,12 +582,15 @@ hw_recover  KEYS[1] = P:{pool}
             ARGV = worker_id, then execution_id, attempt, job_id, tenant_id, scheduled_for,
                    started_ms, finished_ms, result_json for each completion
 A worker's recent completions, sent again once Redis came back without its data (a new
-epoch): the `completed` events of some had not reached Postgres, which would run them
-again. Each execution Redis has no hot state of is written as done (attempt and state,
-for TERMINAL_TTL_MS: the sweeper sees it is not lost) and XADDs `completed` as
-hw_complete would have, with `recovered` '1' and at_ms the time the worker finished it;
-an execution Redis knows is left alone. Postgres applies the event only if it still has
-that attempt queued or running.
+epoch), or after the worker could not reach it for a while (a failover, whose new
+primary may lack the last writes the old one acknowledged): the `completed` events of
+some had not reached Postgres, which would run them again. An execution Redis has no
+hot state of, or whose state is still this attempt ready, or leased by this worker (the
+completion was lost, not refused), is written as done (for TERMINAL_TTL_MS: the
+sweeper sees it is not lost; a lease of that attempt is refused from now on) and XADDs
+`completed` as hw_complete would have, with `recovered` '1' and at_ms the time the
+worker finished it; any other state (done, another holder, a later attempt) is left
+alone. Postgres applies the event only if it still has that attempt queued or running.
 Reply: how many were recovered.
 ]]
 local function hw_recover(keys, args)
@@ -602,7 +605,14 @@ local function hw_recover(keys, args)
     local attempt = int_arg('hw_recover', 'attempt', args[i + 1])
     local finished = int_arg('hw_recover', 'finished_ms', args[i + 6])
     local hot = base .. ':x:' .. execution_id
-    if redis.call('EXISTS', hot) == 0 then
+    local h = load_hot(hot)
+    local lost = h ~= nil and tonumber(h.attempt) == attempt
+                 and (h.state == 'ready' or (h.state == 'leased' and h.lease_owner == worker_id))
+    if h == nil or lost then
+      if lost then
+        redis.call('HDEL', hot, unpack(SPENT_FIELDS))
+        redis.call('ZREM', base .. ':leases', execution_id)
+      end
       redis.call('HSET', hot, 'attempt', fmt(attempt), 'state', 'done')
       redis.call('PEXPIRE', hot, TERMINAL_TTL_MS)
       emit(base, 'completed', execution_id,

@@ -5,13 +5,14 @@ Nothing here mutates hot state itself: that is the functions' job.
 
 from __future__ import annotations
 
+import re
 from importlib.resources import files
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from herdwick import logs, telemetry
+from herdwick import logs, redis_client, telemetry
 from herdwick.errors import StorageUnavailable
 from herdwick.redis_client import REDIS_ERRORS
 from herdwick.storage import keys
@@ -19,6 +20,9 @@ from herdwick.storage import keys
 log = logs.get("herdwick.hot")
 
 LIBRARY = files("herdwick.lua") / "herdwick.lua"  # package data: a wheel carries it
+# The version the library in this release declares (hw_version answers it).
+LIBRARY_VERSION = int(re.search(r"^local LIBRARY_VERSION = '(\d+)'", LIBRARY.read_text(),
+                                re.MULTILINE).group(1))
 PUBLISH_CHUNK = 500  # executions per FCALL: bounds the time one call holds the server
 
 
@@ -109,6 +113,35 @@ class HotTier:
             await self.client.function_load(LIBRARY.read_text(), replace=True)
         except REDIS_ERRORS as exc:
             raise StorageUnavailable(f"redis: cannot load functions: {exc}") from exc
+
+    async def ensure_functions(self) -> int:
+        """Load the library on each primary that has none, or an older one; returns how
+        many it loaded. A node that joined a cluster (a resharding moved slots to it) or
+        a server that restarted from a disk file without functions would otherwise
+        answer every FCALL with an error. One hw_version a primary: cheap enough for
+        every sweep. A newer library is left alone (a rolling upgrade's)."""
+        loaded = 0
+        for node in self._primaries():
+            target = {} if node is None else {"target_nodes": node}
+            try:
+                try:
+                    have = _text(await self.client.execute_command("FCALL", "hw_version", 0,
+                                                                   **target))
+                except ResponseError:  # no such function: no library at all
+                    have = "0"
+                if not have.isdigit() or int(have) < LIBRARY_VERSION:
+                    await self.client.execute_command("FUNCTION", "LOAD", "REPLACE",
+                                                      LIBRARY.read_text(), **target)
+                    loaded += 1
+                    log.warning("functions_loaded", node=getattr(node, "name", "redis"),
+                                had=have, version=LIBRARY_VERSION)
+            except REDIS_ERRORS as exc:
+                raise StorageUnavailable(f"redis: cannot check functions: {exc}") from exc
+        return loaded
+
+    def _primaries(self) -> list:
+        """Each primary of a cluster; [None] (the one server) otherwise."""
+        return self.client.get_primaries() if redis_client.is_cluster(self.client) else [None]
 
     async def ensure_group(self, pool: str) -> None:
         """The ready stream's consumer group, from id 0 so nothing published before is missed."""

@@ -438,10 +438,18 @@ async def test_a_settled_outcome_leaves_redis_in_seconds_and_a_live_attempt_stay
 
 async def test_hw_recover_restores_only_what_redis_forgot(proto, publish, redis_client,
                                                           key_prefix) -> None:
-    """A worker's completions sent again after a loss: an execution Redis knows is left
-    alone; one it forgot becomes done, with a `completed` event marked recovered."""
-    known = await publish()
-    await proto.lease(POOL, "w", 30, known.execution_id, 1)
+    """A worker's completions sent again after a loss: one Redis forgot becomes done, with
+    a `completed` event marked recovered; so does one a failover took back to before the
+    completion (still ready at that attempt, or still leased by this worker). Done ones,
+    another worker's lease and later attempts are left alone."""
+    others = await publish()
+    await proto.lease(POOL, "w2", 30, others.execution_id, 1)
+    mine = await publish()
+    await proto.lease(POOL, "w", 30, mine.execution_id, 1)
+    unleased = await publish()
+    done = await publish()
+    await proto.lease(POOL, "w", 30, done.execution_id, 1)
+    await proto.complete(POOL, done.execution_id, 1, "w", "{}")
     await events(proto)  # what came before
     base = keys.pool_base(key_prefix, POOL)
     forgotten = "01a24300-0000-7000-8000-000000000001"
@@ -449,16 +457,31 @@ async def test_hw_recover_restores_only_what_redis_forgot(proto, publish, redis_
     def fields(execution_id: str) -> list:
         return [execution_id, 1, "job", "tenant", "2026-12-02T12:00:00Z", 1000, 2000, '{"ok":1}']
 
-    assert await redis_client.fcall("hw_recover", 1, base, "w", *fields(known.execution_id),
-                                    *fields(forgotten)) == 1
+    sent = [others, mine, unleased, done]
+    assert await redis_client.fcall(
+        "hw_recover", 1, base, "w", *(f for e in sent for f in fields(e.execution_id)),
+        *fields(forgotten)) == 3
+
+    async def state(execution_id: str) -> bytes | None:
+        return await redis_client.hget(keys.hot_state(key_prefix, POOL, execution_id), "state")
+
     assert await redis_client.hgetall(keys.hot_state(key_prefix, POOL, forgotten)) == {
         b"attempt": b"1", b"state": b"done"}
-    assert (await redis_client.hget(keys.hot_state(key_prefix, POOL, known.execution_id),
-                                    "state")) == b"leased"
-    [event] = await events(proto)
-    assert (event.type, event.execution_id, event.worker_id, event.at_ms, event.started_ms,
-            event.result) == ("completed", forgotten, "w", 2000, 1000, '{"ok":1}')
-    # Recovered once is known: a second send changes nothing.
-    assert await redis_client.fcall("hw_recover", 1, base, "w", *fields(forgotten)) == 0
+    assert await state(others.execution_id) == b"leased"
+    assert [await state(e.execution_id) for e in (mine, unleased, done)] == [b"done"] * 3
+    # A recovered lease no longer waits to be reaped.
+    assert await redis_client.zscore(keys.leases_zset(key_prefix, POOL),
+                                     mine.execution_id) is None
+    got = await events(proto)
+    assert sorted(e.execution_id for e in got) == sorted(
+        [mine.execution_id, unleased.execution_id, forgotten])
+    recovered = next(e for e in got if e.execution_id == forgotten)
+    assert (recovered.type, recovered.worker_id, recovered.at_ms, recovered.started_ms,
+            recovered.result) == ("completed", "w", 2000, 1000, '{"ok":1}')
+    # Recovered once is known: a second send changes nothing, and the attempt it
+    # finished can no longer be leased.
+    assert await redis_client.fcall("hw_recover", 1, base, "w", *fields(forgotten),
+                                    *fields(unleased.execution_id)) == 0
+    assert await proto.lease(POOL, "w3", 30, unleased.execution_id, 1) is None
     with pytest.raises(aioredis.ResponseError, match="8 fields"):
         await redis_client.fcall("hw_recover", 1, base, "w", forgotten, 1)
