@@ -32,7 +32,7 @@ T0 = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
 # ran at once, so each family below runs on one worker, one test at a time; everything
 # else is spread over both.
 _GROUPS = (
-    ("faults", ("tests/faults/",)),
+    ("faults", ("tests/faults/", "tests/fleet/")),
     ("processes", ("tests/docs/", "tests/browser/", "tests/packaging/", "tests/acceptance/",
                    "tests/integration/test_loadtest_", "tests/integration/test_dev.py",
                    "tests/fuzz/")),

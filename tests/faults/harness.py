@@ -77,6 +77,8 @@ from herdwick.loadtest.driver import (
 )
 from herdwick.loadtest.jobs import move_herd, parking_time
 from herdwick.model import JobSpec, RetryPolicy, Schedule, Target, TenantSpec
+from herdwick.redis_client import REDIS_ERRORS
+from herdwick.redis_client import connect as connect_redis
 from herdwick.storage import keys
 from herdwick.storage.db import Database
 from herdwick.storage.jobs import NewJob, insert_jobs
@@ -160,11 +162,11 @@ def _template(name: str, schedule: Schedule, target: Target) -> NewJob:
 
 
 def make_jobs(name: str, count: int, due: datetime, cron: str | None = None,
-              url: str | None = None) -> list[NewJob]:
+              url: str | None = None, pool: str = POOL) -> list[NewJob]:
     """`count` jobs as the gateway would insert them, all due at `due`: for the queue
-    workers, or with `url` for the http-workers."""
+    workers of `pool`, or with `url` for the http-workers."""
     schedule = Schedule(cron=cron) if cron else Schedule(delay_seconds=60)
-    target = Target(type="http", ref=url) if url else Target(type="queue", ref=POOL)
+    target = Target(type="http", ref=url) if url else Target(type="queue", ref=pool)
     template = _template(name, schedule, target)
     now = datetime.now(UTC)
     jobs = []
@@ -325,6 +327,7 @@ class Stack:
         self.steady_statuses: dict[int, int] = {}  # the steady rate's answers, via the api
         self.http_workers: list[HttpWorkerProcess] = []
         self.receiver: Receiver | None = None  # with http=True
+        self.pools: tuple[str, ...] = (POOL,)  # the queue pools the herd is spread over
 
     # --- starting --------------------------------------------------------------------
 
@@ -334,11 +337,13 @@ class Stack:
                  herd: int = HERD_JOBS, scheduler_db_url: str | None = None,
                  scheduler_redis_url: str | None = None, api_db_url: str | None = None,
                  skewed: int = 0, scheduler_env: dict[str, str] | None = None,
-                 http: bool = False) -> AsyncIterator[Stack]:
-        """Everything started and the shards settled over both schedulers. `skewed` of the
+                 http: bool = False, schedulers: int = SCHEDULERS,
+                 pools: tuple[str, ...] = (POOL,)) -> AsyncIterator[Stack]:
+        """Everything started and the shards settled over the schedulers. `skewed` of the
         schedulers run under the clock-skew launcher; `scheduler_db_url` and
         `scheduler_redis_url` put the schedulers behind a proxy; `http` makes HTTP_JOBS of
-        the herd http jobs, delivered by two `herdwick http-worker` to a local receiver."""
+        the herd http jobs, delivered by two `herdwick http-worker` to a local receiver;
+        `pools` splits the herd over these pools, WORKERS workers each."""
         seed, rng = seeded()
         began = time.perf_counter()
         print(f"\nfault seed {seed} ({SEED_ENV}={seed} replays it)", flush=True)
@@ -347,6 +352,7 @@ class Stack:
             exits.push_async_callback(db.close)
             stack = cls(db, exits, db_url=db_url, redis_url=redis_url, prefix=prefix,
                         seed=seed, rng=rng)
+            stack.pools = pools
             if http:
                 stack.receiver = Receiver()
                 await stack.receiver.start()
@@ -357,21 +363,23 @@ class Stack:
                 HERDWICK_REDIS_URL=scheduler_redis_url or redis_url,
                 HERDWICK_KEY_PREFIX=prefix, HERDWICK_READY_MAX="auto",
                 PYTHONPATH=str(ROOT), **(scheduler_env or {}))
-            worker_env = child_env(
-                HW_LOADTEST_REDIS_URL=redis_url, HW_LOADTEST_PREFIX=prefix,
-                HW_LOADTEST_POOL=POOL, HW_LOADTEST_CONCURRENCY=str(CONCURRENCY),
-                **{LEASE_S_ENV: repr(LEASE_S), HANDLER_MS_ENV: ",".join(map(str, HANDLER_MS))},
-                PYTHONPATH=str(ROOT))
+            def worker_env(pool: str) -> dict[str, str]:
+                return child_env(
+                    HW_LOADTEST_REDIS_URL=redis_url, HW_LOADTEST_PREFIX=prefix,
+                    HW_LOADTEST_POOL=pool, HW_LOADTEST_CONCURRENCY=str(CONCURRENCY),
+                    **{LEASE_S_ENV: repr(LEASE_S),
+                       HANDLER_MS_ENV: ",".join(map(str, HANDLER_MS))},
+                    PYTHONPATH=str(ROOT))
             # Each process in a children() of its own, all starting at once: a start is
             # mostly imports, and one after the other they would cost a scenario seconds.
             kinds = [SkewedSchedulerProcess if i < skewed else SchedulerProcess
-                     for i in range(SCHEDULERS)]
+                     for i in range(schedulers)]
             started = await asyncio.gather(
                 *(exits.enter_async_context(children(kind, 1, ["scheduler"], sched_env))
                   for kind in kinds),
                 *(exits.enter_async_context(
-                    children(WorkerProcess, 1, ["worker", WORKER_APP], worker_env))
-                  for _ in range(WORKERS)),
+                    children(WorkerProcess, 1, ["worker", WORKER_APP], worker_env(pool)))
+                  for pool in pools for _ in range(WORKERS)),
                 *(exits.enter_async_context(children(
                     HttpWorkerProcess, 1, ["http-worker", "--lease", f"{HTTP_LEASE_S:g}",
                                            "--concurrency", str(HTTP_CONCURRENCY)],
@@ -407,7 +415,10 @@ class Stack:
             self.receiver.secret = created.signing_secret
             http = make_jobs(HERD_NAME, HTTP_JOBS, self.parked, url=self.receiver.url)
         self.herd = herd + len(http)
-        await insert(self.db, self.tenant_id, make_jobs(HERD_NAME, herd, self.parked) + http
+        queued = [job for i, pool in enumerate(self.pools)
+                  for job in make_jobs(HERD_NAME, herd // len(self.pools)
+                                       + (i < herd % len(self.pools)), self.parked, pool=pool)]
+        await insert(self.db, self.tenant_id, queued + http
                      + make_jobs(CRON_NAME, CRON_JOBS, self.parked, cron="* * * * *"))
 
     async def start_api(self) -> None:
@@ -466,7 +477,7 @@ class Stack:
                         in_flight=in_flight(before) if in_flight else before.in_flight,
                         recovery_s=recovery_s, verdict=verdict,
                         notes={"at due +s": round(offset_s, 2), **extra},
-                        rerun_bound=WORKERS * CONCURRENCY
+                        rerun_bound=len(self.pools) * WORKERS * CONCURRENCY
                         + (HTTP_WORKERS * HTTP_CONCURRENCY if self.receiver else 0),
                         receiver=self.receiver,
                         http_jobs=HTTP_JOBS if self.receiver else 0)
@@ -499,14 +510,16 @@ class Stack:
     async def events_unapplied(self) -> int:
         """Worker events not yet applied to Postgres: unread by the schedulers' group, or
         read and not acked. A stale call's record travels this way too."""
-        client = aioredis.from_url(self.redis_url, socket_timeout=5)
+        client = connect_redis(self.redis_url, socket_timeout=5)
         unapplied = 0
         try:
-            for pool in (POOL, HTTP_POOL) if self.receiver else (POOL,):
+            for pool in (*self.pools, HTTP_POOL) if self.receiver else self.pools:
                 try:
                     groups = await client.xinfo_groups(keys.events_stream(self.prefix, pool))
                 except aioredis.ResponseError:  # no stream yet (a Redis that came back empty)
                     continue
+                except REDIS_ERRORS:  # a cluster's node failing over: look again later
+                    return 1
                 unapplied += sum((g.get("lag") or 0) + g["pending"] for g in groups
                                  if g["name"] == EVENTS_GROUP.encode())
         finally:
