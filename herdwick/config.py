@@ -12,6 +12,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from herdwick import redis_client
+
 DEFAULT_KEY_PREFIX = "hw"
 DEFAULT_API_HOST = "127.0.0.1"
 DEFAULT_API_PORT = 8080
@@ -88,6 +90,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(f"HERDWICK_RETENTION_DAYS must be 1 to {MAX_RETENTION_DAYS}, "
                               f"not {self.retention_days}")
         _check_archive_url(self.archive_url)
+        if self.redis_url and redis_client.is_cluster_url(self.redis_url):
+            try:
+                redis_client.cluster_seeds(self.redis_url)
+            except redis_client.BadRedisUrl as exc:
+                raise ConfigError(f"HERDWICK_REDIS_URL: {exc}") from None
         self.read_database_urls  # noqa: B018 - validates HERDWICK_READ_DATABASE_URL
         if not 0 < self.read_max_lag_s <= MAX_READ_LAG_S:
             raise ConfigError(f"HERDWICK_READ_MAX_LAG_S must be above 0 and at most "

@@ -62,7 +62,8 @@ from herdwick.loadtest.measure import (
     StreamSamples,
     database_of,
     lease_lags_by_kind,
-    redis_pid,
+    redis_pids,
+    server_infos,
 )
 from herdwick.loadtest.outcomes import History, Outcomes, drain, history_of, uuid7_floor
 from herdwick.loadtest.report import Progress, add_report_flags, memory_line
@@ -192,9 +193,11 @@ class ServerCounts(msgspec.Struct, frozen=True, kw_only=True):
 async def server_counts(db: Database, client: aioredis.Redis) -> ServerCounts:
     async with db.connection() as conn:
         xacts = await conn.fetchval(_XACTS_SQL)
-    stats = await client.info("commandstats")
-    return ServerCounts(xacts=xacts, commands=sum(int(v["calls"]) for v in stats.values()),
-                        publishes=int(stats.get("cmdstat_publish", {}).get("calls", 0)))
+    infos = await server_infos(client, "commandstats")  # a cluster's primaries: their sum
+    return ServerCounts(
+        xacts=xacts,
+        commands=sum(int(v["calls"]) for stats in infos for v in stats.values()),
+        publishes=sum(int(stats.get("cmdstat_publish", {}).get("calls", 0)) for stats in infos))
 
 
 async def run(args: argparse.Namespace, progress: Progress) -> Report:
@@ -248,8 +251,8 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         await leases_settled(db, procs, deadline)
         await writes_settled(db, plan.jobs)  # before the window: the inserts' counters
         kinds = {"scheduler": [p.pid for p in procs], "worker": [w.pid for w in workers]}
-        pid = await redis_pid(client)
-        probe = KindsProbe({**kinds, **({"redis": [pid]} if pid else {})}, database_of(dsn))
+        pids = await redis_pids(client)
+        probe = KindsProbe({**kinds, **({"redis": pids} if pids else {})}, database_of(dsn))
         rss = {kind: ProcessProbe(pids) for kind, pids in kinds.items()}
         start = probe.read()
         before = await server_counts(db, client)

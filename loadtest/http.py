@@ -82,7 +82,7 @@ from herdwick.loadtest.measure import (
     StreamSamples,
     database_of,
     lag_of,
-    redis_pid,
+    redis_pids,
 )
 from herdwick.loadtest.outcomes import History, Outcomes, drain, history_of, uuid7_floor
 from herdwick.loadtest.profiled import profile_path
@@ -419,8 +419,8 @@ async def _drain(plan: Plan, db: Database, dsn: str,
     await secrets_published(client, prefix, tenants, procs, deadline)
     sampler = StreamSampler(client, prefix, [HTTP_POOL])
     await sampler.baseline()
-    pid = await redis_pid(client)
-    probe = KindsProbe({**kinds, **({"redis": [pid]} if pid else {})}, database_of(dsn))
+    pids = await redis_pids(client)
+    probe = KindsProbe({**kinds, **({"redis": pids} if pids else {})}, database_of(dsn))
     started_s = time.time()
     steady_from = uuid7_floor(at_epoch(started_s))
     start = probe.read()

@@ -26,6 +26,7 @@ import asyncpg
 import msgspec
 import psutil
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from herdwick import redis_client
@@ -265,15 +266,30 @@ class KindsProbe:
                         others_s=round(busy_s - sum(seconds.values()), 2))
 
 
-async def redis_pid(client: aioredis.Redis) -> int | None:
-    """The Redis server's pid, for its CPU seconds; None unless it runs on this machine
-    (a loopback URL into a container, say, names a pid of another namespace)."""
-    pid = int((await client.info("server")).get("process_id", 0))
-    try:
-        name = psutil.Process(pid).name()
-    except psutil.Error:
-        return None
-    return pid if "redis" in name or "valkey" in name else None
+async def server_infos(client: redis_client.Client, section: str, *,
+                       replicas: bool = False) -> list[dict]:
+    """INFO `section` of the Redis server, or of each primary of a cluster (and each
+    replica, with `replicas`): a cluster's figures are the sum of its nodes'."""
+    if not redis_client.is_cluster(client):
+        return [await client.info(section)]
+    nodes = RedisCluster.ALL_NODES if replicas else RedisCluster.PRIMARIES
+    return list((await client.info(section, target_nodes=nodes)).values())
+
+
+async def redis_pids(client: redis_client.Client) -> list[int]:
+    """The pids of the Redis server (every node of a cluster), for their CPU seconds;
+    those not running on this machine (a loopback URL into a container, say, names a pid
+    of another namespace) are left out."""
+    pids = []
+    for info in await server_infos(client, "server", replicas=True):
+        pid = int(info.get("process_id", 0))
+        try:
+            name = psutil.Process(pid).name()
+        except psutil.Error:
+            continue
+        if "redis" in name or "valkey" in name:
+            pids.append(pid)
+    return pids
 
 
 def database_of(dsn: str) -> str:
@@ -450,8 +466,10 @@ class StreamSampler:
         return await self._client.xlen(stream)
 
     async def _used_memory(self) -> int:
+        """Of the whole server, or of every node of a cluster."""
         self.commands += 1
-        return int((await self._client.info("memory"))["used_memory"])
+        return sum(int(info["used_memory"])
+                   for info in await server_infos(self._client, "memory", replicas=True))
 
     async def _workers_group(self, stream: str) -> dict | None:
         self.commands += 1

@@ -18,6 +18,7 @@ import time
 import msgspec
 import redis.asyncio as aioredis
 
+from herdwick.loadtest.measure import server_infos
 from herdwick.storage.db import Database
 
 # The tables an execution's life writes; partitions are summed under their parent.
@@ -120,17 +121,21 @@ async def snapshot(db: Database, client: aioredis.Redis) -> Snapshot:
         rows = await conn.fetch(_TABLES_SQL)
         wal = await conn.fetchrow(_WAL_SQL)
         others = {r["datname"]: r["rows"] for r in await conn.fetch(_OTHERS_SQL)}
-    stats = await client.info("commandstats")
-    net = await client.info("stats")
+    calls: dict[str, int] = {}
+    for stats in await server_infos(client, "commandstats"):  # a cluster's primaries, summed
+        for name, v in stats.items():
+            calls[name.removeprefix("cmdstat_")] = calls.get(name.removeprefix("cmdstat_"), 0) \
+                + int(v["calls"])
+    nets = await server_infos(client, "stats")
     return Snapshot(
         tables={r["name"]: TableCounts(inserted=r["ins"], updated=r["upd"],
                                        hot_updated=r["hot"], deleted=r["del"],
                                        bytes=r["bytes"]) for r in rows},
         wal_lsn=wal["lsn"], wal_records=wal["wal_records"], wal_fpi=wal["wal_fpi"],
         wal_bytes_stat=wal["wal_bytes"], others_rows=others,
-        redis_calls={name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()},
-        redis_in_bytes=int(net["total_net_input_bytes"]),
-        redis_out_bytes=int(net["total_net_output_bytes"]))
+        redis_calls=calls,
+        redis_in_bytes=sum(int(net["total_net_input_bytes"]) for net in nets),
+        redis_out_bytes=sum(int(net["total_net_output_bytes"]) for net in nets))
 
 
 async def inserted(db: Database, jobs: int, wait_s: float = INSERT_FLUSH_WAIT_S) -> None:
