@@ -17,6 +17,7 @@ USED_WITHOUT_IMPORT = {
     "pytest-asyncio": "the suite's asyncio_mode (pyproject)",
     "pytest-timeout": "the suite's per-test timeout (pyproject)",
     "pytest-xdist": "the suite's two workers (pyproject addopts)",
+    "pyyaml": "imported as yaml (tests/docs/test_fleet_compose.py)",
     "ruff": "test_the_code_lints_clean runs it",
     "server": "moto's extra for ThreadedMotoServer, the S3 server tests/integration/"
               "test_retention.py runs",
