@@ -36,3 +36,15 @@ async def sync_pair() -> AsyncIterator[PostgresPair]:
         yield started
     finally:
         started.stop()
+
+
+@pytest.fixture
+async def linked_pair() -> AsyncIterator[PostgresPair]:
+    """An asynchronous standby streaming through a link the test can stall and cut."""
+    _need_binaries()
+    started = await PostgresPair.start(link=True)
+    try:
+        yield started
+    finally:
+        await started.cut_replication()
+        started.stop()

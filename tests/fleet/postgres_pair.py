@@ -11,7 +11,12 @@ pair is made for exactly that:
 - `promote()` makes the standby the primary (pg_promote);
 - `pause_replay()` / `resume_replay()` stop and restart the standby's replay
   (pg_wal_replay_pause): it keeps receiving WAL, but its data stands still;
-- `lag()` measures the standby's replication lag, in bytes and seconds;
+- `lag()` measures the standby's replication lag, in bytes and seconds (seconds from a
+  heartbeat row the primary stamps every 50 ms once `start_heartbeat()` is called);
+- with `link=True` the standby streams through a proxy (tests/faults/stall_proxy.py)
+  that `stall_replication()` stops forwarding: the standby falls behind by as long
+  as the stall lasts, as over a congested link, and `cut_replication()` drops what
+  the link held (with a primary killed meanwhile: WAL that never reached the standby);
 - `synchronous=True` names the standby in synchronous_standby_names with a
   server default of synchronous_commit = local, so only a transaction that
   asks for more (herdwick's sync tenants: remote_apply) waits for it.
@@ -41,11 +46,13 @@ import asyncpg
 
 from herdwick.loadtest.driver import free_port
 from herdwick.storage import migrate
+from tests.faults.stall_proxy import StallProxy
 
 DATABASE = "herdwick"
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.05
+HEARTBEAT_S = 0.05
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # Every server's settings. fsync stays on: the figures taken against this pair (a sync
 # tenant's submit latency) must pay for a real commit. Status every second, so the
@@ -94,7 +101,7 @@ class Lag:
     """How far the standby is behind the primary."""
 
     bytes: int  # WAL the primary has written that the standby has not replayed
-    seconds: float  # pg_stat_replication.replay_lag (0 when the standby is idle and caught up)
+    seconds: float  # how old the newest commit the standby has replayed is; 0 if caught up
 
 
 class Server:
@@ -204,9 +211,12 @@ class PostgresPair:
         self.base = base
         self.primary = primary
         self.standby = standby
+        self.link: StallProxy | None = None  # between them, with link=True
+        self._heartbeat: asyncio.Task | None = None
 
     @classmethod
-    async def start(cls, *, synchronous: bool = False, migrated: bool = True) -> PostgresPair:
+    async def start(cls, *, synchronous: bool = False, migrated: bool = True,
+                    link: bool = False) -> PostgresPair:
         """A primary with the herdwick database (migrated), then a standby streaming from
         it: pg_basebackup -R of the running primary, so it starts as its replica."""
         bins = bin_dir()
@@ -242,6 +252,13 @@ class PostgresPair:
                 standby.run, "pg_basebackup", "-h", "127.0.0.1", "-p", str(primary.port),
                 "-U", "postgres", "-D", str(standby.data_dir), "-R", "-X", "stream",
                 "--checkpoint=fast", "--no-sync")
+            if link:
+                pair.link = StallProxy("127.0.0.1", primary.port)
+                await pair.link.start()
+                # The command line wins over the primary_conninfo -R wrote.
+                standby.settings["primary_conninfo"] = (
+                    f"host=127.0.0.1 port={pair.link.port} user=postgres "
+                    "application_name=standby")
             await standby.start()
             await pair.wait_streaming()
         except BaseException:
@@ -312,22 +329,62 @@ class PostgresPair:
     async def resume_replay(self) -> None:
         await self._standby("SELECT pg_wal_replay_resume()")
 
+    async def start_heartbeat(self, interval_s: float = HEARTBEAT_S) -> None:
+        """From now until the primary dies, it stamps a row (database postgres, table
+        hw_heartbeat) with its clock every interval: the standby's copy of the stamp says
+        how many seconds behind it is (pt-heartbeat's way), to within the interval."""
+        conn = await asyncpg.connect(self.primary.dsn("postgres"))
+        await conn.execute("CREATE TABLE IF NOT EXISTS hw_heartbeat (id int PRIMARY KEY, "
+                           "at timestamptz NOT NULL)")
+        await conn.execute("INSERT INTO hw_heartbeat VALUES (1, clock_timestamp()) "
+                           "ON CONFLICT (id) DO UPDATE SET at = excluded.at")
+        self._heartbeat = asyncio.create_task(self._beat(conn, interval_s))
+
+    @staticmethod
+    async def _beat(conn: asyncpg.Connection, interval_s: float) -> None:
+        try:
+            while True:
+                await conn.execute("UPDATE hw_heartbeat SET at = clock_timestamp()")
+                await asyncio.sleep(interval_s)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            return  # the primary is gone
+        finally:
+            conn.terminate()
+
     async def lag(self) -> Lag:
         """Bytes: the primary's WAL position less the standby's replay position, read one
-        after the other (the primary first, so the figure errs high). Seconds: the
-        primary's pg_stat_replication.replay_lag, which Postgres times from the standby's
-        reports; NULL there (an idle standby that has caught up) is 0."""
+        after the other (the primary first, so the figure errs high). Seconds, when it is
+        behind: the age of the newest heartbeat the standby has (start_heartbeat), else of
+        the newest commit it has replayed (which overstates it when the primary had been
+        quiet before)."""
         written = await self._primary("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
         replayed = await self._standby("SELECT pg_last_wal_replay_lsn() - '0/0'::pg_lsn")
-        seconds = await self._primary(
-            "SELECT coalesce(max(extract(epoch FROM replay_lag)), 0) FROM pg_stat_replication")
-        return Lag(bytes=max(0, int(written - replayed)), seconds=float(seconds))
+        behind = max(0, int(written - replayed))
+        seconds = 0.0
+        if behind:
+            seconds = float(await self._standby(
+                "SELECT extract(epoch FROM clock_timestamp() - at) FROM hw_heartbeat"
+                if self._heartbeat is not None else
+                "SELECT coalesce(extract(epoch FROM clock_timestamp() "
+                "- pg_last_xact_replay_timestamp()), 0)"))
+        return Lag(bytes=behind, seconds=max(0.0, seconds))
 
     # --- faults ---------------------------------------------------------------------
 
     def kill_primary(self) -> None:
         """kill -9 of the primary's every process: what a host that dies does."""
         self.primary.kill()
+
+    def stall_replication(self) -> None:
+        """The link holds every byte from now on: the standby falls behind (link=True)."""
+        assert self.link is not None, "start the pair with link=True"
+        self.link.stall()
+
+    async def cut_replication(self) -> None:
+        """The link drops what it held and every connection through it: that WAL never
+        reaches the standby."""
+        assert self.link is not None, "start the pair with link=True"
+        await self.link.close()
 
     async def promote(self, timeout_s: float = 30.0) -> float:
         """Make the standby the primary; returns how long it took, in seconds."""
@@ -344,6 +401,10 @@ class PostgresPair:
         await self.standby.start()
 
     def stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.link is not None and self.link._server is not None:
+            self.link._server.close()  # no loop may be left to await it; its sockets go
         for server in (self.standby, self.primary):
             with contextlib.suppress(Exception):
                 server.stop()
