@@ -49,14 +49,23 @@ _REJECTED = (
 
 
 @contextlib.contextmanager
-def translated() -> object:
-    """Turn driver-level unavailability into StorageUnavailable, refused data into Rejected."""
+def translated(replica: bool = False) -> object:
+    """Turn driver-level unavailability into StorageUnavailable, refused data into Rejected.
+
+    replica: a read replica's. A hot standby cancels a query whose snapshot or locks
+    stand in the way of replaying the primary's WAL ("conflict with recovery", SQLSTATE
+    40001): that replica cannot answer it now, which its caller reads as unavailable.
+    """
     try:
         yield
     except _UNAVAILABLE as exc:
         raise StorageUnavailable(f"postgres unavailable: {type(exc).__name__}: {exc}") from exc
     except _REJECTED as exc:
         raise Rejected(f"postgres refused it: {type(exc).__name__}: {exc}") from exc
+    except asyncpg.SerializationError as exc:
+        if not replica:
+            raise
+        raise StorageUnavailable(f"replica cancelled the query: {exc}") from exc
 
 
 async def retrying(attempt: Callable[[], Awaitable[T]]) -> T:
@@ -103,12 +112,14 @@ def _observe(record) -> None:
 class Database:
     """Owns the asyncpg pool. Every query goes through `connection()`."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, replica: bool = False) -> None:
         self.pool = pool
+        self.replica = replica  # a read replica's pool: see translated()
 
     @classmethod
     async def connect(cls, dsn: str, *, min_size: int = 1, max_size: int = 10,
-                      command_timeout_s: float = COMMAND_TIMEOUT_S) -> Database:
+                      command_timeout_s: float = COMMAND_TIMEOUT_S,
+                      replica: bool = False) -> Database:
         with translated():
             pool = await asyncpg.create_pool(
                 dsn,
@@ -120,11 +131,11 @@ class Database:
                 reset=_keep_session,
                 init=_timed,
             )
-        return cls(pool)
+        return cls(pool, replica=replica)
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[asyncpg.Connection]:
-        with translated():
+        with translated(self.replica):
             async with self.pool.acquire(timeout=ACQUIRE_TIMEOUT_S) as conn:
                 yield conn
 

@@ -94,7 +94,7 @@ class Replicas:
         try:
             for url in urls:
                 replicas.append(Replica(name_of(url), await Database.connect(
-                    url, min_size=0, max_size=POOL_MAX)))
+                    url, min_size=0, max_size=POOL_MAX, replica=True)))
         except BaseException:
             for replica in replicas:
                 await replica.db.close()

@@ -23,10 +23,15 @@ pair is made for exactly that:
 
 Run as root (as this suite is in CI), the servers run as the `postgres` user,
 which Postgres insists on; the temporary directory is given to it.
+
+`python -m tests.fleet.postgres_pair [--synchronous]` starts a pair and holds it
+until Ctrl-C or SIGTERM, printing its DSNs: for measuring by hand (BENCHMARKS.md,
+"Past one machine").
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -216,9 +221,11 @@ class PostgresPair:
 
     @classmethod
     async def start(cls, *, synchronous: bool = False, migrated: bool = True,
-                    link: bool = False) -> PostgresPair:
+                    link: bool = False,
+                    standby_settings: dict[str, str] | None = None) -> PostgresPair:
         """A primary with the herdwick database (migrated), then a standby streaming from
-        it: pg_basebackup -R of the running primary, so it starts as its replica."""
+        it: pg_basebackup -R of the running primary, so it starts as its replica.
+        standby_settings: more of the standby's (max_standby_streaming_delay, say)."""
         bins = bin_dir()
         if bins is None:
             raise RuntimeError("no PostgreSQL binaries in /usr/lib/postgresql/*/bin")
@@ -234,7 +241,8 @@ class PostgresPair:
                                  "synchronous_commit": "local"}
         primary = Server("primary", base / "primary", free_port(), primary_settings, bins,
                          owner)
-        standby = Server("standby", base / "standby", free_port(), dict(_COMMON), bins, owner)
+        standby = Server("standby", base / "standby", free_port(),
+                         {**_COMMON, **(standby_settings or {})}, bins, owner)
         pair = cls(base, primary, standby)
         try:
             await asyncio.to_thread(primary.run, "initdb", "-D", str(primary.data_dir),
@@ -409,3 +417,31 @@ class PostgresPair:
             with contextlib.suppress(Exception):
                 server.stop()
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+async def _hold(synchronous: bool) -> None:
+    pair = await PostgresPair.start(synchronous=synchronous)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    try:
+        print(f"primary  {pair.primary_dsn}", flush=True)
+        kind = "synchronous, for transactions that ask" if synchronous else "asynchronous"
+        print(f"standby  {pair.standby_dsn} ({kind})", flush=True)
+        print(f"failover {pair.failover_dsn}", flush=True)
+        await stop.wait()
+    finally:
+        pair.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.fleet.postgres_pair",
+                                     description="a Postgres primary and streaming standby "
+                                                 "until Ctrl-C")
+    parser.add_argument("--synchronous", action="store_true",
+                        help="synchronous_standby_names = '*', synchronous_commit = local")
+    asyncio.run(_hold(parser.parse_args().synchronous))
+
+
+if __name__ == "__main__":
+    main()

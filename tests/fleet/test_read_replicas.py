@@ -35,7 +35,7 @@ from herdwick.storage.replicas import Replicas, name_of
 from herdwick.storage.tenants import create_tenant
 from herdwick.storage.write_marks import WriteMarks
 from tests.faults.redis_server import RedisServer
-from tests.fleet.postgres_pair import PostgresPair
+from tests.fleet.postgres_pair import PostgresPair, bin_dir
 from tests.integration.conftest import make_job
 from tests.integration.gateway_client import ADMIN_TOKEN, start_client
 
@@ -210,6 +210,66 @@ async def test_a_read_that_fails_on_the_replica_is_answered_by_the_primary(
             await router.run(tenant_id, lambda db: get_job(db, tenant_id, job_id))
         assert reads("primary", "replica_failed") == failed_before + 1
         assert not replica.up
+    finally:
+        await replicas.close()
+        await primary.close()
+
+
+@pytest.fixture
+async def impatient_pair() -> AsyncIterator[PostgresPair]:
+    """A standby that cancels a query in the way of replay after 100 ms (the default is
+    30 s): a hot standby's recovery conflicts, soon."""
+    if bin_dir() is None:
+        pytest.skip("no PostgreSQL binaries in /usr/lib/postgresql/*/bin")
+    started = await PostgresPair.start(
+        standby_settings={"max_standby_streaming_delay": "100ms"})
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+async def test_a_read_the_replica_cancels_for_recovery_is_answered_by_the_primary(
+        impatient_pair, redis_client, key_prefix, clock) -> None:
+    """A read holds a lock on jobs on the standby while the primary takes an exclusive
+    one: replaying it, the standby cancels the read ("conflict with recovery"). The
+    primary answers it instead."""
+    pair = impatient_pair
+    primary = await Database.connect(pair.primary_dsn, min_size=1, max_size=2)
+    replicas = await Replicas.connect(primary, [pair.standby_dsn], history_s=10.0)
+    try:
+        router = ReadRouter(primary, replicas, WriteMarks(redis_client, key_prefix),
+                            max_lag_s=5.0)
+        tenant_id = (await create_tenant(primary, TenantSpec(name="t"), clock.now())).tenant_id
+        await pair.caught_up()
+        await replicas.run_once(time.monotonic())
+        served: list[int] = []
+
+        async def slow_read(db: Database) -> int:  # the test's own statement
+            async with db.connection() as conn:
+                served.append(conn._addr[1])
+                return await conn.fetchval("SELECT count(*) FROM jobs, pg_sleep(1)")
+
+        async def exclusive_lock_on_the_primary() -> None:
+            standby = await asyncpg.connect(pair.standby_dsn)
+            try:  # until the read runs on the standby, holding its lock on jobs
+                for _ in range(500):
+                    if await standby.fetchval(
+                            "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' "
+                            "AND query LIKE '%pg_sleep(1)%' AND pid <> pg_backend_pid()"):
+                        break
+                    await asyncio.sleep(0.01)
+            finally:
+                await standby.close()
+            async with primary.transaction() as conn:
+                await conn.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+
+        failed_before = reads("primary", "replica_failed")
+        count, _ = await asyncio.gather(router.run(tenant_id, slow_read),
+                                        exclusive_lock_on_the_primary())
+        assert count == 0
+        assert served == [pair.standby.port, pair.primary.port]
+        assert reads("primary", "replica_failed") == failed_before + 1
     finally:
         await replicas.close()
         await primary.close()
