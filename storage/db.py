@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import random
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -23,6 +24,9 @@ COMMAND_TIMEOUT_S = 10.0
 RETRIES = 3
 ACQUIRE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
+# With several hosts in the DSN, each gets this long (HostByHost): a hung one leaves the
+# next time to answer within one ACQUIRE_TIMEOUT_S.
+HOST_TIMEOUT_S = 2.0
 
 # What "the database is not there" looks like from asyncpg: connection-class
 # SQLSTATEs (08xxx), operator intervention (57xxx: shutdown, cannot connect
@@ -34,6 +38,7 @@ _UNAVAILABLE = (
     asyncpg.exceptions.OperatorInterventionError,
     asyncpg.exceptions.InsufficientResourcesError,
     asyncpg.InterfaceError,
+    asyncpg.TargetServerAttributeNotMatched,  # every host answered; none takes writes
 )
 
 
@@ -109,6 +114,54 @@ def _observe(record) -> None:
     telemetry.POSTGRES.labels(_names().get(record.query, "other")).observe(record.elapsed)
 
 
+def host_dsns(dsn: str) -> list[str]:
+    """A URL that names several hosts (postgresql://u@db-a:5432,db-b:5432/herdwick?...) as
+    one URL a host, in its order, each with the rest of it; any other DSN as itself."""
+    parts = urllib.parse.urlsplit(dsn)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if parts.scheme not in ("postgres", "postgresql") or "," not in hosts:
+        return [dsn]
+    return [urllib.parse.urlunsplit(parts._replace(netloc=f"{userinfo}{at}{host}"))
+            for host in hosts.split(",")]
+
+
+# What sends a connection attempt on to the next host, as libpq does: anything that
+# keeps this one from being a usable session.
+_NEXT_HOST = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
+              asyncpg.TargetServerAttributeNotMatched)
+
+
+class HostByHost:
+    """Connects through a DSN of several hosts one host at a time, each within its own
+    timeout (HOST_TIMEOUT_S at most), the host that last took a connection first.
+
+    asyncpg gives all the hosts of a DSN one timeout together: a host that hangs (a
+    frozen VM, a partition, rather than refusing) uses all of it, the next host is never
+    tried, and a promoted standby stays out of reach for as long as the old primary
+    hangs. Called with the options asyncpg's pool passes to connect().
+    """
+
+    def __init__(self, dsn: str) -> None:
+        self._dsns = host_dsns(dsn)
+        self._first = 0  # written here only
+
+    async def __call__(self, *_dsn: object, **options: object) -> asyncpg.Connection:
+        options["timeout"] = min(float(options.get("timeout") or HOST_TIMEOUT_S),
+                                 HOST_TIMEOUT_S)
+        last: BaseException | None = None
+        for k in range(len(self._dsns)):
+            i = (self._first + k) % len(self._dsns)
+            try:
+                conn = await asyncpg.connect(self._dsns[i], **options)
+            except _NEXT_HOST as exc:
+                last = exc
+                continue
+            self._first = i
+            return conn
+        assert last is not None
+        raise last
+
+
 class Database:
     """Owns the asyncpg pool. Every query goes through `connection()`."""
 
@@ -130,6 +183,7 @@ class Database:
                 server_settings={"timezone": "UTC", "application_name": "herdwick"},
                 reset=_keep_session,
                 init=_timed,
+                connect=HostByHost(dsn) if len(host_dsns(dsn)) > 1 else None,
             )
         return cls(pool, replica=replica)
 

@@ -15,7 +15,7 @@ import msgspec
 
 from herdwick import logs
 from herdwick.errors import SchemaOutOfDate
-from herdwick.storage.db import translated
+from herdwick.storage.db import HostByHost, translated
 from herdwick.storage.sql import q
 
 log = logs.get("herdwick.migrate")
@@ -50,7 +50,7 @@ def latest_version() -> int:
 async def apply(dsn: str) -> list[Migration]:
     """Apply every pending migration; returns the ones this call applied."""
     with translated():
-        conn = await asyncpg.connect(dsn, timeout=10)
+        conn = await HostByHost(dsn)(timeout=10)
     try:
         return await _apply_locked(conn)
     finally:

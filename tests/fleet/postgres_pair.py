@@ -6,8 +6,10 @@ session of its own, in a temporary directory. The suite's shared server
 cannot be killed, paused or promoted without hurting every other test; this
 pair is made for exactly that:
 
-- `kill_primary()` is kill -9 of the primary's whole process group, the
-  postmaster and every backend at once: what a host that dies does;
+- `kill_primary()` is kill -9 of the primary's every process, the postmaster and
+  every backend at once: what a host that dies does; `freeze_primary()` stops them
+  all (SIGSTOP) instead: a host that hangs, whose connections neither answer nor
+  fail;
 - `promote()` makes the standby the primary (pg_promote);
 - `pause_replay()` / `resume_replay()` stop and restart the standby's replay
   (pg_wal_replay_pause): it keeps receiving WAL, but its data stands still;
@@ -175,38 +177,79 @@ class Server:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         return ""
 
+    def processes(self) -> list[int]:
+        """The postmaster's pid and its children's. Each child is in a session of its own
+        (Postgres's doing), so no one signal to a process group reaches them all."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        found = [self.proc.pid]
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            if ppid == self.proc.pid:
+                found.append(int(entry))
+        return found
+
+    def _signal_all(self, sig: int) -> list[int]:
+        pids = self.processes()
+        if pids:
+            # The postmaster first: stopped, it forks nothing and restarts no one meanwhile.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[0], signal.SIGSTOP)
+        for pid in [*pids[1:], *pids[:1]]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return pids
+
     def kill(self) -> None:
-        """kill -9 of the whole server: postmaster and backends in one signal."""
+        """kill -9 of the whole server: postmaster and every backend, within microseconds."""
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        pids = self._signal_all(signal.SIGKILL)
         self.proc.wait()
-        self._reap_group()
+        self._gone(pids)
+
+    def freeze(self) -> None:
+        """SIGSTOP of the whole server: connections stay open and nothing answers."""
+        self._signal_all(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def stop(self) -> None:
-        """A fast shutdown (SIGINT), SIGKILL past the deadline."""
-        if self.proc is None:
+        """A fast shutdown (SIGINT), SIGKILL past the deadline (a frozen server too)."""
+        if self.proc is None or self.proc.poll() is not None:
             return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._reap_group()
+        self.thaw()
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
 
-    def _reap_group(self) -> None:
-        """Backends outlive a SIGKILLed postmaster for a moment; none may hold the port."""
-        assert self.proc is not None
+    @staticmethod
+    def _gone(pids: list[int]) -> None:
+        """Until every one of them has exited: none may hold the port, or write on."""
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                return
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}/stat")
+                                                  and not _zombie(p) for p in pids):
             time.sleep(POLL_S)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 class PostgresPair:
@@ -382,6 +425,10 @@ class PostgresPair:
     def kill_primary(self) -> None:
         """kill -9 of the primary's every process: what a host that dies does."""
         self.primary.kill()
+
+    def freeze_primary(self) -> None:
+        """SIGSTOP of the primary's every process: a host that hangs rather than dies."""
+        self.primary.freeze()
 
     def stall_replication(self) -> None:
         """The link holds every byte from now on: the standby falls behind (link=True)."""

@@ -88,6 +88,35 @@ async def test_a_pool_reconnects_to_the_promoted_standby_by_itself(pair) -> None
         await db.close()
 
 
+async def test_a_pool_reaches_the_promoted_standby_while_the_old_primary_hangs(pair) -> None:
+    """A primary that hangs (every process stopped: connections open, nothing answers)
+    rather than refusing. asyncpg alone gives a DSN's hosts one timeout together, which
+    the hung host would use up, and the standby would never be tried; herdwick gives each
+    host its own (storage/db.py HostByHost), and tries the one that answered last first."""
+    db = await Database.connect(pair.failover_dsn, min_size=1, max_size=4,
+                                command_timeout_s=1.0)
+    try:
+        pair.freeze_primary()
+        await pair.promote()
+        began = time.monotonic()
+        while True:
+            try:
+                async with db.connection() as conn:
+                    await conn.execute("CREATE TABLE written_after_failover (x int)")
+                    port = conn._addr[1]
+                break
+            except StorageUnavailable:  # the pooled connection to the hung host, first
+                assert time.monotonic() - began < 15, "no connection to the new primary"
+        assert port == pair.standby.port
+        # New connections go to the new primary first: no wait for the hung host again.
+        began = time.monotonic()
+        async with db.connection() as one, db.connection() as two:
+            assert {one._addr[1], two._addr[1]} == {pair.standby.port}
+        assert time.monotonic() - began < 1.0
+    finally:
+        db.pool.terminate()  # its connection to the hung host would hold close() up
+
+
 async def _poll(db: Database, sql: str, *args) -> object:
     """One value, or None while Postgres is away."""
     with contextlib.suppress(*DB_DOWN):
