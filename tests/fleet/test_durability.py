@@ -176,3 +176,44 @@ async def _executed(db: Database) -> list[str]:
     async with db.connection() as conn:
         return [r["name"] for r in await conn.fetch(
             "SELECT j.name FROM executions e JOIN jobs j USING (job_id) ORDER BY j.name")]
+
+
+async def test_a_sync_dispatch_past_its_timeout_is_published_once_known_committed(
+        sync_pair, services, redis_client, key_prefix, clock) -> None:
+    """The standby does not answer: the sync tenant's dispatch transaction outlasts its
+    statement timeout (1 s here, 10 s by default). Its COMMIT was written on the primary;
+    the dispatcher keeps the batch in doubt, finds the execution committed, and publishes
+    it, once (storage/dispatch's in-doubt path), with the standby still paused."""
+    async with gateway(sync_pair.primary_dsn, services.redis_url, key_prefix,
+                       clock) as client:
+        careful = await key_of(client, "careful", "sync")
+        resp = await client.post("/v1/jobs", json=make_job(name="careful-job"), headers=careful)
+        assert resp.status == 201, await resp.text()
+
+    db = await Database.connect(sync_pair.primary_dsn, max_size=8, command_timeout_s=1.0)
+    node = Scheduler(Settings(key_prefix=key_prefix), clock=clock, db=db, redis=redis_client,
+                     node_id="sync-timeout", tick=False)
+    try:
+        await node.start()
+        sync_dispatcher = node.dispatchers[-1]
+        await sync_pair.pause_replay()
+        await advance(clock, 30, node)
+        for shard in node.shard_ids:
+            actor = node.shard(shard)
+            await actor.send(Tick())
+            await sync(actor)
+        queue = node._pools["emails"]
+        await queue.send(Tick())
+        await sync(queue)
+        deadline = time.monotonic() + 10
+        while not (entries := await ready(redis_client, key_prefix)):
+            assert time.monotonic() < deadline, "the in-doubt dispatch was never published"
+            await queue.send(Tick())
+            await sync(queue)
+            await asyncio.sleep(0.1)
+        assert len(entries) == 1 and sync_dispatcher.resolved == 1
+        assert await _executed(db) == ["careful-job"]
+        await sync_pair.resume_replay()
+    finally:
+        await node.stop()
+        await db.close()
