@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -47,8 +48,14 @@ class Ctx:
     notify_due: Callable[[list[Near]], Awaitable[None]] = _nothing
 
     async def after_submit(self, tenant_id: uuid.UUID, jobs: list[NewJob]) -> None:
-        await self.notify_due([(j.shard_id, j.job_id, j.next_run_at, tenant_id, j.pool)
-                               for j in jobs])
+        """After a submit commits: the near-due notify and, with read replicas, the write's
+        mark, both to Redis, neither waiting for the other."""
+        notify = self.notify_due([(j.shard_id, j.job_id, j.next_run_at, tenant_id, j.pool)
+                                  for j in jobs])
+        if self.reads is None:
+            await notify
+        else:
+            await asyncio.gather(self.reads.wrote(tenant_id), notify)
     # Called after a cancel commits: tells the workers holding those executions (LEASE_LOST).
     cancel_running: Callable[[str, list[uuid.UUID]], Awaitable[None]] = _no_workers
     # Read replicas (gateway/reads.py): set by their cleanup context when configured.

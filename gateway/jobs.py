@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import uuid
 from datetime import datetime
@@ -168,10 +167,7 @@ async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: 
             if outcome.herd_total >= limit:
                 response = created([herd_warning(outcome.herd_second, limit)])
             telemetry.SUBMITTED.labels(telemetry.tenant_label(str(owner.tenant_id))).inc(len(jobs))
-            # Both to Redis, neither waiting for the other: the mark, and the notify of the
-            # jobs due soon.
-            await asyncio.gather(ctx.wrote(owner.tenant_id),
-                                 ctx.after_submit(owner.tenant_id, jobs))
+            await ctx.after_submit(owner.tenant_id, jobs)
             return json_response(201, response)
         record = await store.get_idempotency(ctx.db, owner.tenant_id, key)
         if record is None:

@@ -330,3 +330,18 @@ async def test_a_write_whose_mark_redis_refuses_answers_once_the_replica_has_it(
         finally:
             await limits.config_set("maxmemory", "0")
             await limits.aclose()
+
+
+async def test_without_redis_for_the_marks_every_read_stays_on_the_primary(
+        db_url, key_prefix, clock) -> None:
+    """The write marks live in Redis: a gateway given read URLs and no Redis uses no
+    replica at all (it logs read_replicas_unused) rather than read without the rule."""
+    client = await start_client(db_url, None, key_prefix, clock,
+                                read_database_url="postgresql://127.0.0.1:1/nowhere")
+    try:
+        assert client.server.app[CTX].reads is None
+        someone = await tenant(client, "someone")
+        job_id = await someone.submit(name="kept")
+        assert (await someone.job(job_id))["name"] == "kept"
+    finally:
+        await client.close()
