@@ -36,6 +36,7 @@ log = logs.get("herdwick.replicas")
 SAMPLE_INTERVAL_S = (0.1, 0.2)  # between passes, drawn anew each time
 SAMPLE_TIMEOUT_S = 1.0  # a server slower than this to say its position counts as down
 POOL_MAX = 20  # each replica's pool: the gateway's reads spread over them
+NOT_SAMPLED = "not sampled yet"
 
 
 def name_of(url: str) -> str:
@@ -67,7 +68,7 @@ class Replica:
         self.replayed: int | None = None
         self.fresh_at: float | None = None
         self.lag_bytes: int | None = None
-        self.why = "not sampled yet"  # when not up: the reason, for the log
+        self.why = NOT_SAMPLED  # when not up: the reason, for the log
 
 
 class Replicas:
@@ -170,7 +171,7 @@ class Replicas:
     def set_down(self, replica: Replica, why: str) -> None:
         """Serve nothing from it until a pass finds it sound again (a read that failed on
         it says so at once, rather than at the next pass)."""
-        if replica.up or replica.why != why:
+        if replica.up or replica.why == NOT_SAMPLED:  # once an outage, not once a pass
             log.warning("replica_down", replica=replica.name, why=why)
         replica.up, replica.why, replica.fresh_at = False, why, None
 
