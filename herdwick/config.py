@@ -12,7 +12,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from herdwick import redis_client
+from herdwick import redis_url
 
 DEFAULT_KEY_PREFIX = "hw"
 DEFAULT_API_HOST = "127.0.0.1"
@@ -90,10 +90,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError(f"HERDWICK_RETENTION_DAYS must be 1 to {MAX_RETENTION_DAYS}, "
                               f"not {self.retention_days}")
         _check_archive_url(self.archive_url)
-        if self.redis_url and redis_client.is_cluster_url(self.redis_url):
+        if self.redis_url and redis_url.is_cluster_url(self.redis_url):
             try:
-                redis_client.cluster_seeds(self.redis_url)
-            except redis_client.BadRedisUrl as exc:
+                redis_url.cluster_seeds(self.redis_url)
+            except redis_url.BadRedisUrl as exc:
                 raise ConfigError(f"HERDWICK_REDIS_URL: {exc}") from None
         self.read_database_urls  # noqa: B018 - validates HERDWICK_READ_DATABASE_URL
         if not 0 < self.read_max_lag_s <= MAX_READ_LAG_S:

@@ -16,66 +16,22 @@ stream must hold a connection to (node_client_for).
 from __future__ import annotations
 
 import inspect
-import urllib.parse
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
-CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
-DEFAULT_PORT = 6379
+from herdwick.redis_url import BadRedisUrl, cluster_seeds, is_cluster_url
+
+__all__ = ["REDIS_ERRORS", "BadRedisUrl", "Client", "cluster_seeds", "connect", "is_cluster",
+           "is_cluster_url", "node_client_for"]
 
 # A cluster client raises RedisClusterException (not a RedisError) when it cannot map
 # a slot to a node or reach any node: to every caller that is "Redis is not there".
 REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
 
 Client = aioredis.Redis | RedisCluster
-
-
-class BadRedisUrl(ValueError):
-    """HERDWICK_REDIS_URL cannot be read; the message says what is wrong with it."""
-
-
-def is_cluster_url(url: str) -> bool:
-    return urllib.parse.urlsplit(url).scheme in CLUSTER_SCHEMES
-
-
-def cluster_seeds(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
-    """The seed nodes of a `redis+cluster://` URL and the client options it carries."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in CLUSTER_SCHEMES:
-        raise BadRedisUrl(f"not a cluster URL (redis+cluster://host:port,...): {url!r}")
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    seeds = []
-    for spec in filter(None, hosts.split(",")):
-        if spec.startswith("["):  # [IPv6]:port
-            host, _, rest = spec[1:].partition("]")
-            port = rest[1:] if rest.startswith(":") else str(DEFAULT_PORT)
-        else:
-            host, colon, port = spec.partition(":")
-            port = port if colon else str(DEFAULT_PORT)
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise BadRedisUrl(f"a seed is host:port, not {spec!r}, in {_redacted(url)}")
-        seeds.append((host, int(port)))
-    if not seeds:
-        raise BadRedisUrl(f"no seed node in {_redacted(url)}")
-    if parts.path not in ("", "/"):
-        raise BadRedisUrl(f"a cluster has no database number: {_redacted(url)}")
-    options: dict[str, Any] = {"ssl": CLUSTER_SCHEMES[parts.scheme]}
-    if userinfo:
-        user, colon, password = userinfo.partition(":")
-        if colon:
-            options["password"] = urllib.parse.unquote(password)
-        if user:
-            options["username"] = urllib.parse.unquote(user)
-    return seeds, options
-
-
-def _redacted(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    hosts = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=hosts))
 
 
 def connect(url: str, **options: Any) -> Client:
