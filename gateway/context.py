@@ -14,6 +14,7 @@ from aiohttp import web
 from herdwick.clock import Clock
 from herdwick.config import Settings
 from herdwick.gateway.auth import KeyCache
+from herdwick.gateway.coalesce import Coalescer
 from herdwick.gateway.notify import Near
 from herdwick.gateway.submit import Network
 from herdwick.gateway.target_dns import TargetDns
@@ -43,6 +44,9 @@ class Ctx:
     http_allow: tuple[Network, ...]
     target_dns: TargetDns  # the submit-time lookups of http targets' names
     keys: KeyCache = field(default_factory=KeyCache)
+    # Concurrent single submits of a tenant, one statement (gateway/coalesce.py): made by
+    # __post_init__ on this context's database and clock.
+    coalescer: Coalescer = field(init=False)
     # Called after a commit that made something due (submit, trigger, replay) with
     # (shard_id, job_id, due time): the near-due notify to the shard owners.
     notify_due: Callable[[list[Near]], Awaitable[None]] = _nothing
@@ -73,6 +77,9 @@ class Ctx:
         read, through any gateway, see it."""
         if self.reads is not None:
             await self.reads.wrote(tenant_id)
+
+    def __post_init__(self) -> None:
+        self.coalescer = Coalescer(self.db, self.clock)
 
     @staticmethod
     def of(request: web.Request) -> Ctx:

@@ -42,7 +42,7 @@ from herdwick.model import (
     valid_name,
 )
 from herdwick.storage import jobs as store
-from herdwick.storage.jobs import NewIdempotency, NewJob, Transition
+from herdwick.storage.jobs import NewIdempotency, NewJob, Submission, Transition
 
 SINGLE_BODY_CAP = MAX_PAYLOAD_BYTES + 64 * 1024
 BATCH_BODY_CAP = 16 * 1024 * 1024
@@ -126,7 +126,7 @@ async def submit(request: web.Request) -> web.Response:
         return JobCreated(job_id=job.job_id, next_run_at=job.next_run_at, state="active",
                           warnings=warnings)
 
-    return await _insert(request, ctx, owner, key, body, [job], created)
+    return await _insert(request, ctx, owner, key, body, [job], created, coalesce=True)
 
 
 async def submit_batch(request: web.Request) -> web.Response:
@@ -144,7 +144,7 @@ async def submit_batch(request: web.Request) -> web.Response:
 
 
 async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: bytes,
-                  jobs: list[NewJob], created) -> web.Response:
+                  jobs: list[NewJob], created, *, coalesce: bool = False) -> web.Response:
     limit = ctx.settings.herd_warn_jobs
     herd = herd_check(jobs, ctx.clock.now(), limit)
     plain = created([])
@@ -158,10 +158,15 @@ async def _insert(request: web.Request, ctx: Ctx, owner, key: str | None, body: 
         idem = NewIdempotency(key=key, request_hash=request_hash, response=_encoder.encode(plain),
                               response_warned=warned, warned_second_at=at)
     for _ in range(2):
-        outcome = await store.insert_jobs(
-            ctx.db, owner.tenant_id, jobs, now=ctx.clock.now(), idempotency=idem,
-            max_active_jobs=owner.max_active_jobs, herd=herd,
-            sync=owner.durability == "sync")
+        if idem is None and coalesce:  # with others of the tenant's, in one statement
+            outcome = await ctx.coalescer.insert(
+                owner.tenant_id, Submission(jobs, herd), max_active_jobs=owner.max_active_jobs,
+                sync=owner.durability == "sync")
+        else:
+            outcome = await store.insert_jobs(
+                ctx.db, owner.tenant_id, jobs, now=ctx.clock.now(), idempotency=idem,
+                max_active_jobs=owner.max_active_jobs, herd=herd,
+                sync=owner.durability == "sync")
         if outcome.inserted:
             response = plain
             if outcome.herd_total >= limit:

@@ -117,6 +117,10 @@ API_REQUESTS = Histogram("herdwick_api_request_seconds",
                          "Gateway requests by route template, method and status",
                          ["route", "method", "status"], buckets=CALL_BUCKETS)
 SUBMITTED = Counter("herdwick_jobs_submitted_total", "Jobs accepted (201)", ["tenant"])
+SUBMIT_COALESCED = Histogram(
+    "herdwick_submit_coalesced_requests",
+    "Single submits of one tenant inserted by one statement (gateway/coalesce.py)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 READS = Counter(
     "herdwick_api_reads_total",
     "History reads by the server that answered (primary, or a replica as host:port/db) and "

@@ -87,6 +87,13 @@ class InsertOutcome(msgspec.Struct, frozen=True, kw_only=True):
     herd_total: int
 
 
+class Submission(msgspec.Struct, frozen=True):
+    """One request's jobs and its herd question, among those inserted together."""
+
+    jobs: list[NewJob]
+    herd: HerdCheck | None = None
+
+
 async def insert_jobs(
     db: Database,
     tenant_id: uuid.UUID,
@@ -106,7 +113,29 @@ async def insert_jobs(
     answers once the synchronous standbys have applied it; a transaction of its
     own, so only those submits pay its round trips.
     """
-    args = _insert_args(tenant_id, jobs, now, idempotency, herd)
+    [outcome] = await insert_submissions(db, tenant_id, [Submission(jobs, herd)], now=now,
+                                         idempotency=idempotency,
+                                         max_active_jobs=max_active_jobs, sync=sync)
+    return outcome
+
+
+async def insert_submissions(
+    db: Database,
+    tenant_id: uuid.UUID,
+    submissions: list[Submission],
+    *,
+    now: datetime,
+    idempotency: NewIdempotency | None = None,
+    max_active_jobs: int | None = None,
+    sync: bool = False,
+) -> list[InsertOutcome]:
+    """Several requests' jobs in one statement (insert_jobs's, all or nothing), each
+    request's herd answered on its own; an idempotency record only with one request.
+    The quota counts them all together."""
+    if idempotency is not None and len(submissions) != 1:
+        raise ValueError("an idempotency record belongs to one request")
+    jobs = [j for sub in submissions for j in sub.jobs]
+    args = _insert_args(tenant_id, jobs, now, idempotency, submissions)
     if max_active_jobs is None and not sync:
         async with db.connection() as conn:
             row = await conn.fetchrow(q("insert_jobs"), *args)
@@ -117,8 +146,11 @@ async def insert_jobs(
             if max_active_jobs is not None:
                 await _within_quota(conn, tenant_id, len(jobs), max_active_jobs)
             row = await conn.fetchrow(q("insert_jobs"), *args)
-    return InsertOutcome(inserted=row["inserted"], herd_second=row["herd_second"],
-                         herd_total=row["herd_total"])
+    herds = {r: (second, total) for r, second, total
+             in zip(row["herd_requests"], row["herd_seconds"], row["herd_totals"], strict=True)}
+    return [InsertOutcome(inserted=row["inserted"], herd_second=herds.get(i, (None, 0))[0],
+                          herd_total=herds.get(i, (None, 0))[1])
+            for i in range(len(submissions))]
 
 
 async def _within_quota(conn, tenant_id: uuid.UUID, adding: int, max_active_jobs: int) -> None:
@@ -132,7 +164,10 @@ async def _within_quota(conn, tenant_id: uuid.UUID, adding: int, max_active_jobs
 
 
 def _insert_args(tenant_id: uuid.UUID, jobs: list[NewJob], now: datetime,
-                 idem: NewIdempotency | None, herd: HerdCheck | None) -> tuple[object, ...]:
+                 idem: NewIdempotency | None,
+                 submissions: list[Submission]) -> tuple[object, ...]:
+    herds = [(i, sub.herd) for i, sub in enumerate(submissions) if sub.herd is not None]
+    limit = herds[0][1].limit if herds else 0
     return (
         tenant_id,
         idem.key if idem else None,
@@ -153,14 +188,15 @@ def _insert_args(tenant_id: uuid.UUID, jobs: list[NewJob], now: datetime,
         [j.next_run_at for j in jobs],
         [j.shard_id for j in jobs],
         [due_minute(j.next_run_at) for j in jobs],
-        herd.seconds if herd else [],
-        herd.in_request if herd else [],
-        herd.limit if herd else 0,
-        herd.labels if herd else [],
+        [s for _, h in herds for s in h.seconds],
+        [n for _, h in herds for n in h.in_request],
+        limit,
+        [label for _, h in herds for label in h.labels],
         idem.response_warned if idem else None,
         idem.warned_second_at + 1 if idem else None,  # SQL's overlay counts from 1
         [j.labels for j in jobs],
         [j.dry_run for j in jobs],
+        [i for i, h in herds for _ in h.seconds],
     )
 
 

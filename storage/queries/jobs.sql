@@ -3,23 +3,27 @@
 -- idempotency record, as one statement (so one implicit transaction, one
 -- round trip). inserted is false, and nothing is written, when the key is
 -- already held by an unexpired record.
+-- The jobs may be several requests' (the gateway coalesces concurrent submits of
+-- a tenant): each herd second belongs to a request ($28, its index), and each
+-- request's herd check is its own.
 -- The herd check: for each second of $20 (the request's own jobs due in it are
 -- $21), the tenant's active jobs already due then, counted by the
--- jobs_tenant_due index only as far as reaching $22 needs. herd_second and
--- herd_total are the second with the most and that most. jobs.next_run_at is
--- each job's next due time only: later cron fires are not in it. When the
--- total reaches $22 the stored response is $24 (the one with the herd
--- warning) with that second's label from $23 written at byte $25, else $4.
+-- jobs_tenant_due index only as far as reaching $22 needs. Per request, the
+-- second with the most and that most (herd_requests, herd_seconds, herd_totals).
+-- jobs.next_run_at is each job's next due time only: later cron fires are not in
+-- it. With a key (one request) and its total reaching $22, the stored response is
+-- $24 (the one with the herd warning) with that second's label from $23 written at
+-- byte $25, else $4.
 WITH herd AS (
-    SELECT c.second, c.label, c.in_request + (
+    SELECT DISTINCT ON (c.request) c.request, c.second, c.label, c.in_request + (
                SELECT count(*) FROM (
                    SELECT 1 FROM jobs
                    WHERE tenant_id = $1 AND state = 'active'
                      AND next_run_at >= c.second AND next_run_at < c.second + interval '1 second'
                    LIMIT greatest($22 - c.in_request, 0)) s) AS total
-    FROM unnest($20::timestamptz[], $21::integer[], $23::text[]) AS c(second, in_request, label)
-    ORDER BY total DESC, c.second
-    LIMIT 1
+    FROM unnest($20::timestamptz[], $21::integer[], $23::text[], $28::integer[])
+         AS c(second, in_request, label, request)
+    ORDER BY c.request, total DESC, c.second
 ), idem AS (
     INSERT INTO idempotency_keys AS k
         (tenant_id, key, request_hash, status, response, created_at, expires_at)
@@ -60,8 +64,9 @@ WITH herd AS (
 SELECT (SELECT ok FROM go) AS inserted,
        (SELECT count(*) FROM new_jobs) AS jobs_written,
        (SELECT count(*) FROM new_due) AS due_written,
-       (SELECT second FROM herd) AS herd_second,
-       coalesce((SELECT total FROM herd), 0) AS herd_total;
+       (SELECT coalesce(array_agg(request ORDER BY request), '{}') FROM herd) AS herd_requests,
+       (SELECT coalesce(array_agg(second ORDER BY request), '{}') FROM herd) AS herd_seconds,
+       (SELECT coalesce(array_agg(total ORDER BY request), '{}') FROM herd) AS herd_totals;
 
 -- name: get_idempotency
 SELECT request_hash, status, response, expires_at
