@@ -29,6 +29,16 @@ async def local_cluster() -> AsyncIterator[LocalCluster]:
         cluster.stop()
 
 
+@pytest.fixture
+async def own_cluster() -> AsyncIterator[LocalCluster]:
+    """A cluster of the test's own: for a test that kills a node."""
+    cluster = await LocalCluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture(scope="session")
 async def services(services: Services, local_cluster: LocalCluster) -> Services:
     on_cluster = Services()

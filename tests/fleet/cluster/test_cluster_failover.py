@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -37,15 +36,6 @@ async def completed(pool: Pool, execution_id: str, timeout_s: float = 15.0) -> d
                 return found[0]
         await asyncio.sleep(0.1)
     raise AssertionError(f"no completed event for {execution_id} within {timeout_s} s")
-
-
-@pytest.fixture
-async def own_cluster() -> AsyncIterator[LocalCluster]:
-    cluster = await LocalCluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 async def test_a_completion_a_failover_lost_is_sent_again_not_run_again(

@@ -14,8 +14,6 @@ complete accepted, every execution settled, cron continuations intact.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 
 from tests.faults.harness import LEASE_S, Stack
@@ -27,15 +25,6 @@ pytestmark = pytest.mark.slow
 SCHEDULERS = 4
 POOLS = ("faults", "faults-b", "faults-c")
 SHARD_LEASE_S = 10.0  # actors/coordinator.py: a dead node's shards move after this
-
-
-@pytest.fixture
-async def own_cluster() -> AsyncIterator[LocalCluster]:
-    cluster = await LocalCluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 async def test_kill_two_of_four_schedulers_and_a_redis_primary_during_a_herd(
