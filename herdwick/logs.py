@@ -132,6 +132,31 @@ class JsonFormatter(logging.Formatter):
             return _json.encode({k: str(v) for k, v in line.items()}).decode()
 
 
+class RetriedByTheLibrary(logging.Filter):
+    """A library's warning about a failure it retries by itself, as one event line with the
+    error, not a traceback a retry: asyncpg's pool refilling its floor while Postgres is
+    away logs one at each retry, and a failover would bury every other line in them."""
+
+    def __init__(self, event: str) -> None:
+        super().__init__()
+        self._event = event
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        fields = {"error": f"{type(exc).__name__}: {exc}", "message": record.getMessage()}
+        record.msg, record.args = "%s", (text_line(self._event, fields),)
+        record.exc_info = record.exc_text = None
+        setattr(record, _EVENT, self._event)
+        setattr(record, _FIELDS, fields)
+        return True
+
+
+# logger -> the event its retried failures become (RetriedByTheLibrary)
+_RETRIED = {"asyncpg.pool": "postgres_pool_refill_failed"}
+
+
 def check(level: str, fmt: str) -> None:
     """Raise ValueError naming the variable for a level or format we do not know."""
     if level not in LEVELS:
@@ -151,3 +176,7 @@ def configure(level: str = DEFAULT_LEVEL, fmt: str = DEFAULT_FORMAT,
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    for name, event in _RETRIED.items():
+        library = logging.getLogger(name)
+        if not any(isinstance(f, RetriedByTheLibrary) for f in library.filters):
+            library.addFilter(RetriedByTheLibrary(event))

@@ -58,3 +58,25 @@ def test_the_level_filters_and_unknown_settings_are_refused(restore_logging) -> 
         logs.configure("loud", "text", out)
     with pytest.raises(ValueError, match="HERDWICK_LOG_FORMAT"):
         logs.configure("info", "xml", out)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_asyncpg_refilling_its_pool_while_postgres_is_away_is_one_line(restore_logging,
+                                                                       fmt) -> None:
+    """asyncpg logs a traceback at each retry of its pool's floor; ours is one event line
+    with the error (a failover would bury every other line in tracebacks)."""
+    out = io.StringIO()
+    logs.configure("info", fmt, out)
+    try:
+        raise ConnectionRefusedError(111, "Connect call failed")
+    except ConnectionRefusedError:
+        logging.getLogger("asyncpg.pool").warning(
+            "Failed to restore the pool connection floor; retrying", exc_info=True)
+    [line] = out.getvalue().splitlines()
+    if fmt == "text":
+        assert "WARNING asyncpg.pool event=postgres_pool_refill_failed error=" in line
+        assert "Connect call failed" in line
+    else:
+        got = json.loads(line)
+        assert got["event"] == "postgres_pool_refill_failed" and "exc" not in got
+        assert "ConnectionRefusedError" in got["error"]
