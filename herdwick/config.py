@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from herdwick import redis_url
+from herdwick.redaction import redacted
 
 DEFAULT_KEY_PREFIX = "hw"
 DEFAULT_API_HOST = "127.0.0.1"
@@ -152,7 +153,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             if "," in hosts or "host=" in parts.query:
                 # The gateway samples each replica's replay position over one connection and
                 # reads through others: they must reach the same server.
-                raise ConfigError(f"HERDWICK_READ_DATABASE_URL: {_redacted(url)!r} does "
+                raise ConfigError(f"HERDWICK_READ_DATABASE_URL: {redacted(url)!r} does "
                                   "not name one host; give each replica a URL of its own")
         return urls
 
@@ -179,14 +180,6 @@ ENV = {
     "archive_url": "HERDWICK_ARCHIVE_URL",
     "archive_s3_endpoint": "HERDWICK_ARCHIVE_S3_ENDPOINT",
 }
-
-
-def _redacted(url: str) -> str:
-    """A URL without its password, for messages."""
-    parts = urllib.parse.urlsplit(url)
-    user, at, hosts = parts.netloc.rpartition("@")
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user.partition(':')[0]}@{hosts}"
-                                                  if at else hosts))
 
 
 def _check_archive_url(url: str) -> None:

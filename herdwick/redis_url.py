@@ -12,6 +12,8 @@ from __future__ import annotations
 import urllib.parse
 from typing import Any
 
+from herdwick.redaction import redacted
+
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
 DEFAULT_PORT = 6379
 
@@ -39,12 +41,12 @@ def cluster_seeds(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
             host, colon, port = spec.partition(":")
             port = port if colon else str(DEFAULT_PORT)
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise BadRedisUrl(f"a seed is host:port, not {spec!r}, in {_redacted(url)}")
+            raise BadRedisUrl(f"a seed is host:port, not {spec!r}, in {redacted(url)}")
         seeds.append((host, int(port)))
     if not seeds:
-        raise BadRedisUrl(f"no seed node in {_redacted(url)}")
+        raise BadRedisUrl(f"no seed node in {redacted(url)}")
     if parts.path not in ("", "/"):
-        raise BadRedisUrl(f"a cluster has no database number: {_redacted(url)}")
+        raise BadRedisUrl(f"a cluster has no database number: {redacted(url)}")
     options: dict[str, Any] = {"ssl": CLUSTER_SCHEMES[parts.scheme]}
     if userinfo:
         user, colon, password = userinfo.partition(":")
@@ -53,11 +55,3 @@ def cluster_seeds(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
         if user:
             options["username"] = urllib.parse.unquote(user)
     return seeds, options
-
-
-def _redacted(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    hosts = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=hosts))
-
-
