@@ -67,13 +67,6 @@ class SteeredClock:
         self._anchor = reference.astimezone(UTC)
         self._anchor_mono = sent_mono + trip / 2
 
-    @property
-    def offset_s(self) -> float:
-        """How far the database's clock is from this host's wall clock (+: ahead)."""
-        return 0.0 if self._anchor is None else \
-            (self.now() - datetime.now(UTC)).total_seconds()
-
-
 class ManualClock:
     """A clock that moves only when told to."""
 

@@ -30,7 +30,7 @@ def _skewed_now(self: clock.SystemClock) -> datetime:
 
 class _SkewedDatetime(datetime):
     """herdwick.clock's wall clock, skewed: what SteeredClock reads before its first
-    reading of Postgres's clock, and what it compares it with."""
+    reading of Postgres's clock."""
 
     @classmethod
     def now(cls, tz=None) -> datetime:  # type: ignore[override]
