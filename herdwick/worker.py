@@ -713,7 +713,7 @@ class _Reader:
     async def read(self, count: int, block_ms: int, stopping: asyncio.Event) -> list:
         try:
             conn = await self._connect()
-        except redis_client.REDIS_ERRORS:
+        except REDIS_ERRORS:
             await self._reset()
             raise
         read = asyncio.ensure_future(self._xreadgroup(conn, count, block_ms))
@@ -725,12 +725,12 @@ class _Reader:
         while self._conn_id and not read.done():  # stopping: wake it (again, if not blocked yet)
             try:
                 await self._control.client_unblock(self._conn_id)
-            except redis_client.REDIS_ERRORS:
+            except REDIS_ERRORS:
                 break
             await asyncio.wait({read}, timeout=UNBLOCK_RETRY_S)
         try:
             return await read
-        except redis_client.REDIS_ERRORS:
+        except REDIS_ERRORS:
             await self._reset()
             raise
 
@@ -743,7 +743,7 @@ class _Reader:
             return
         await self.close()
         self._conn = self._control = None
-        with contextlib.suppress(*redis_client.REDIS_ERRORS):
+        with contextlib.suppress(*REDIS_ERRORS):
             await self._client.xlen(self._stream)
 
     async def _xreadgroup(self, conn: aioredis.Redis, count: int, block_ms: int) -> list:
@@ -756,7 +756,7 @@ class _Reader:
     async def close(self) -> None:
         for conn in {id(c): c for c in (self._conn, self._control)
                      if c is not None and c is not self._client}.values():
-            with contextlib.suppress(*redis_client.REDIS_ERRORS, OSError):
+            with contextlib.suppress(*REDIS_ERRORS, OSError):
                 await conn.aclose()
 
 
