@@ -283,28 +283,37 @@ async def test_work_whose_hand_over_was_lost_is_handed_again(api, clock, db) -> 
     assert [work for _, work in again] == [work for _, work in queues.readies[0].items]
 
 
+async def dispatcher_without_postgres(db_url: str, clock, publish):
+    """A dispatch actor on a pool that is closed: every call fails as an unreachable
+    Postgres does. Nothing may be fenced."""
+    from herdwick.actors import dispatcher as dispatching
+    from herdwick.storage.db import Database
+
+    gone = await Database.connect(db_url)
+    await gone.close()
+
+    async def lease_lost(lost) -> None:
+        raise AssertionError("nothing was fenced")
+
+    return dispatching.DispatchActor(db=gone, node_id="n", clock=clock, publish=publish,
+                                     lease_lost=lease_lost)
+
+
 async def test_a_dispatch_that_fails_settles_every_batch_it_had_drained(
         db_url, clock, monkeypatch) -> None:
     """Postgres goes away mid-batch: the work in hand and all that was drained behind it
     goes back to its fair queues, none of it left unsettled."""
     from herdwick.actors import dispatcher as dispatching
     from herdwick.actors.messages import Due
-    from herdwick.storage.db import Database
     from herdwick.storage.dispatch import DueKey
 
     monkeypatch.setattr(dispatching, "MAX_BATCH_KEYS", 1)  # each Due its own transaction
-    gone = await Database.connect(db_url)
-    await gone.close()  # every call now fails as an unreachable Postgres does
     settled: list = []
 
     async def publish(pool: str, publish) -> None:
         settled.extend(publish.dues)
 
-    async def lease_lost(lost) -> None:
-        raise AssertionError("nothing was fenced")
-
-    actor = dispatching.DispatchActor(db=gone, node_id="n", clock=clock, publish=publish,
-                                      lease_lost=lease_lost)
+    actor = await dispatcher_without_postgres(db_url, clock, publish)
     dues = [Due("emails", {7: 1}, [DueKey(7, clock.now(), uuid.uuid4())], [i], 1)
             for i in range(3)]
     for due in dues[1:]:
@@ -366,18 +375,12 @@ async def test_work_in_doubt_waits_for_postgres_and_what_did_not_commit_is_not_p
     from herdwick.storage.db import Database
     from herdwick.storage.dispatch import DueKey
 
-    gone = await Database.connect(db_url)
-    await gone.close()
     published: list = []
 
     async def publish(pool: str, publish) -> None:
         published.extend(publish.items)
 
-    async def lease_lost(lost) -> None:
-        raise AssertionError("nothing was fenced")
-
-    actor = dispatching.DispatchActor(db=gone, node_id="n", clock=clock, publish=publish,
-                                      lease_lost=lease_lost)
+    actor = await dispatcher_without_postgres(db_url, clock, publish)
     due = Due("emails", {7: 1}, [DueKey(7, clock.now(), uuid.uuid4())], [0], 1)
     with pytest.raises(Exception):  # noqa: B017 - whatever the driver raises, it goes on up
         await actor.handle(due)
