@@ -51,7 +51,9 @@ NO_SECRET_DEFER_S = 5.0  # no keys in Redis yet (it restarted; the scheduler res
 BUSY_WAIT_S = 1.0
 BUSY_DEFER_S = 1.0
 LATENCY_WEIGHT = 0.1  # of each request in a target's smoothed latency
-TIMEOUT_MARGIN_S = 0.1  # the request gives up this long before the SDK's handler timeout
+# The SDK's handler timer waits this long past the job's timeout, so the request's own
+# timeout (a classified `timeout`) wins even when the event loop runs late.
+HANDLER_GRACE_S = 2.0
 MAX_RETRY_AFTER_S = 24 * 3600.0
 DNS_CACHE_S = 10
 URL_CACHE_SIZE = 10_000  # target URLs whose checks are remembered
@@ -392,7 +394,7 @@ class Delivery:
         # What is left of the job's timeout once a slot, its breaker and its keys were had,
         # so the request gives up (a `timeout`) before the SDK's timer does.
         timeout = aiohttp.ClientTimeout(
-            total=max(0.05, ctx.timeout_s - TIMEOUT_MARGIN_S - (time.monotonic() - began)))
+            total=max(0.05, ctx.timeout_s - (time.monotonic() - began)))
         try:
             async with self._session.post(url, data=body, headers=headers,
                                           allow_redirects=False, timeout=timeout) as response:
@@ -506,6 +508,7 @@ class HttpWorker:
         self.worker = Worker(redis_url, HTTP_POOL, concurrency, key_prefix=key_prefix,
                              worker_id=worker_id, redis=redis, **extra)
         self.worker.decode_payload = False  # the body is the payload's JSON text as stored
+        self.worker.timeout_grace_s = HANDLER_GRACE_S
         self._given = redis
         self._options = dict(allow=allow, concurrency=concurrency,
                              target_concurrency=target_concurrency, breaker=breaker,

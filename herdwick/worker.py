@@ -554,7 +554,8 @@ class _Execution:
     """
 
     def __init__(self, calls: _Calls, message: _Message, lease: _Lease,
-                 on_end: Callable[[_Execution], None], decode: bool = True) -> None:
+                 on_end: Callable[[_Execution], None], decode: bool = True,
+                 timeout_grace_s: float = 0.0) -> None:
         self._calls = calls
         self.message = message
         self._lease = lease
@@ -568,6 +569,7 @@ class _Execution:
         self._tries = 0
         self.ended = False
         self._decode = decode
+        self._grace_s = timeout_grace_s
 
     def start(self, handler: Handler) -> None:
         try:
@@ -579,7 +581,8 @@ class _Execution:
         self._work = self._loop.create_task(handler(ctx), name=f"herdwick:{ctx.execution_id}")
         self._work.add_done_callback(self._handler_done)
         if ctx.timeout_s > 0:
-            self._timer = self._loop.call_later(ctx.timeout_s, self._time_out, ctx.timeout_s)
+            self._timer = self._loop.call_later(ctx.timeout_s + self._grace_s, self._time_out,
+                                                ctx.timeout_s)
         self._lease.keep(self._cancel_work)
 
     def abandon(self) -> None:
@@ -827,6 +830,10 @@ class Worker:
         # False: handlers get payload None and read payload_json (the http pool, which
         # sends the JSON text as it is, spares a decode per delivery).
         self.decode_payload = True
+        # Past the job's timeout, how long the handler is given before it is cancelled: the
+        # http pool enforces the timeout itself and reports a classified error, so a busy
+        # event loop must not let this timer beat the handler's own.
+        self.timeout_grace_s = 0.0
 
     def gauges(self):
         yield ("herdwick_worker_in_flight", {"pool": telemetry.pool_label(self.pool)},
@@ -1067,7 +1074,8 @@ class Worker:
 
     def _spawn(self, calls: _Calls, message: _Message, lease: _Lease) -> None:
         assert self._handler is not None
-        execution = _Execution(calls, message, lease, self._ended, self.decode_payload)
+        execution = _Execution(calls, message, lease, self._ended, self.decode_payload,
+                               self.timeout_grace_s)
         self._executions[message.execution_id, message.attempt] = execution
         self._free -= 1
         self._idle.clear()

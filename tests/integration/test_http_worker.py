@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -267,6 +268,21 @@ async def test_a_hung_receiver_times_out_and_is_retried(api, schedulers, receive
         waiting = await settled(api, node, job["jobId"], {"retry_wait"})
     assert waiting["error"]["class"] == "timeout"
     assert waiting["attempts"][0]["outcome"] == "failed"
+
+
+async def test_a_timeout_stays_classified_when_the_event_loop_runs_late(
+        api, schedulers, receiver, redis_client, key_prefix, clock) -> None:
+    """A loop stalled past the job's timeout wakes with both timers due; the request's
+    own timeout must be the one that counts, so the error still names its class."""
+    receiver.hang = asyncio.Event()
+    job = await submit(api, **http_job(receiver.url, timeoutSeconds=1))
+    node = await schedulers()
+    async with http_worker(redis_client, key_prefix):
+        await run_due(node, clock)
+        await receiver.wait_for(1)
+        time.sleep(1.5)  # noqa: ASYNC251 - the stall under test: the whole loop stops
+        waiting = await settled(api, node, job["jobId"], {"retry_wait"})
+    assert waiting["error"]["class"] == "timeout"
 
 
 def free_port() -> int:
