@@ -19,8 +19,11 @@ batch dense; virtual finish times would order item by item at O(log n)
 each, for no fairer a share at these batch sizes.
 
 Items are ints whose high bits are the due time, so a tenant's heap gives its
-work in due order. FifoPolicy is the contrast: one heap, every tenant's work
-in due order, no shares (`HERDWICK_DISPATCH_ORDER=fifo`).
+work in due order. Shards hand work over shortly before it falls due; `take`
+and `due` count only items below a bound (those due by now), and a tenant
+whose earliest item is not due yet sits the round out, as if it had none.
+FifoPolicy is the contrast: one heap, every tenant's work in due order, no
+shares (`HERDWICK_DISPATCH_ORDER=fifo`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,19 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 DEFAULT_WEIGHT = 1
+NO_BOUND = float("inf")  # every item counts as due
+
+
+def count_below(heap: list, bound, limit: int) -> int:
+    """How many of a min-heap's items are below `bound`, up to `limit`: O(that many),
+    walking only the subtrees whose roots are below it."""
+    found, size, stack = 0, len(heap), [0]
+    while stack and found < limit:
+        i = stack.pop()
+        if i < size and heap[i] < bound:
+            found += 1
+            stack += (2 * i + 1, 2 * i + 2)
+    return found
 
 
 class DrrPolicy:
@@ -63,18 +79,35 @@ class DrrPolicy:
     def tenants(self) -> list[str]:
         return list(self._ring)
 
-    def take(self, budget: int,
-             eligible: Callable[[str], bool] | None = None) -> list[tuple[str, int]]:
-        """Up to `budget` items, as (tenant, item), by weight among eligible tenants."""
+    def due(self, bound=NO_BOUND, limit: int = 1 << 62) -> int:
+        """How many items are below `bound` (due), up to `limit`."""
+        found = 0
+        for heap in self._heaps.values():
+            if heap[0] < bound:
+                found += count_below(heap, bound, limit - found)
+                if found >= limit:
+                    break
+        return found
+
+    def earliest(self) -> int | None:
+        return min((heap[0] for heap in self._heaps.values()), default=None)
+
+    def take(self, budget: int, eligible: Callable[[str], bool] | None = None,
+             bound=NO_BOUND) -> list[tuple[str, int]]:
+        """Up to `budget` items below `bound`, as (tenant, item), by weight among eligible
+        tenants."""
         taken: list[tuple[str, int]] = []
-        ring = [t for t in self._ring if eligible is None or eligible(t)]
+        heaps = self._heaps
+        ring = [t for t in self._ring
+                if heaps[t][0] < bound and (eligible is None or eligible(t))]
         if budget <= 0 or not ring:
             return taken
         quantum = max(1.0, budget / sum(self._weight(t) for t in ring))
         skipped = 0  # ineligible visits in a row: a whole ring of them ends the round
         while budget > 0 and self._ring and skipped < len(self._ring):
             tenant = self._ring[0]
-            if eligible is not None and not eligible(tenant):
+            heap = heaps[tenant]
+            if heap[0] >= bound or (eligible is not None and not eligible(tenant)):
                 self._next()
                 skipped += 1
                 continue
@@ -82,15 +115,19 @@ class DrrPolicy:
             if not self._resuming:  # a turn the last round cut short goes on as it was
                 self._deficit[tenant] += quantum * self._weight(tenant)
             self._resuming = False
-            heap = self._heaps[tenant]
-            count = min(int(self._deficit[tenant]), len(heap), budget)
-            for _ in range(count):
-                taken.append((tenant, heapq.heappop(heap)))
-            self._deficit[tenant] -= count
-            budget -= count
-            self.backlog -= count
+            count = min(int(self._deficit[tenant]), budget)
+            pop, took = heapq.heappop, 0
+            while took < count and heap and heap[0] < bound:
+                taken.append((tenant, pop(heap)))
+                took += 1
+            self._deficit[tenant] -= took
+            budget -= took
+            self.backlog -= took
             if not heap:
                 self._forget(tenant)
+            elif heap[0] >= bound:  # nothing more due: as if emptied, it keeps no credit
+                self._deficit[tenant] = 0.0
+                self._next()
             elif budget == 0 and self._deficit[tenant] >= 1:
                 self._resuming = True  # the round ran out mid-turn
             else:
@@ -150,11 +187,18 @@ class FifoPolicy:
     def tenants(self) -> list[str]:
         return [t for t, n in self._count.items() if n]
 
-    def take(self, budget: int,
-             eligible: Callable[[str], bool] | None = None) -> list[tuple[str, int]]:
+    def due(self, bound=NO_BOUND, limit: int = 1 << 62) -> int:
+        # (item, tenant) pairs: below (bound,) exactly when the item is below bound
+        return count_below(self._heap, (bound,), limit)
+
+    def earliest(self) -> int | None:
+        return self._heap[0][0] if self._heap else None
+
+    def take(self, budget: int, eligible: Callable[[str], bool] | None = None,
+             bound=NO_BOUND) -> list[tuple[str, int]]:
         taken: list[tuple[str, int]] = []
         held: list[tuple[int, str]] = []
-        while budget > 0 and self._heap:
+        while budget > 0 and self._heap and self._heap[0][0] < bound:
             item, tenant = heapq.heappop(self._heap)
             if eligible is not None and not eligible(tenant):
                 held.append((item, tenant))

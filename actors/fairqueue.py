@@ -35,7 +35,17 @@ from collections.abc import Callable, Mapping
 from herdwick import logs, telemetry
 from herdwick.actors.base import Actor, Tick
 from herdwick.actors.fairness import DrrPolicy, FifoPolicy
-from herdwick.actors.messages import Due, Forget, Handed, Publish, Ready, item_key, item_shard
+from herdwick.actors.messages import (
+    Due,
+    Forget,
+    Handed,
+    Publish,
+    Ready,
+    due_bound,
+    item_due_us,
+    item_key,
+    item_shard,
+)
 from herdwick.clock import Clock, to_us
 from herdwick.errors import StorageUnavailable
 from herdwick.metrics import Histogram
@@ -106,9 +116,16 @@ class FairQueue(Actor):
         return self._policy.backlog
 
     def idle_timeout(self) -> float | None:
-        if not self._policy.backlog:
+        earliest = self._policy.earliest()
+        if earliest is None:
             return None
-        return max(0.0, self._next_round - time.monotonic())
+        # Work handed over before it falls due waits for its due time, by the clock that
+        # decides it (the shards' own), then for the next round.
+        until_due = (item_due_us(earliest) - to_us(self.clock.now())) / 1e6
+        return max(0.0, until_due, self._next_round - time.monotonic())
+
+    def _due_bound(self) -> int:
+        return due_bound(to_us(self.clock.now()))
 
     async def handle(self, msg: object | None) -> None:
         now_please = False
@@ -124,7 +141,8 @@ class FairQueue(Actor):
                     now_please = True  # tests: a round now, whatever the last one found
                 case None:
                     pass
-        if self._policy.backlog and (now_please or time.monotonic() >= self._next_round):
+        if (self._policy.backlog and (now_please or time.monotonic() >= self._next_round)
+                and self._policy.due(self._due_bound(), 1)):
             await self.run_once()
 
     def _take_in(self, ready: Ready) -> None:
@@ -140,7 +158,10 @@ class FairQueue(Actor):
 
     async def run_once(self) -> int:
         """One round: ask for room, pick by policy and quota, send to a dispatcher."""
-        want = min(self._policy.backlog, self._round)
+        bound = self._due_bound()
+        want = self._policy.due(bound, self._round)
+        if not want:
+            return 0
         try:
             admission = await self._hot.admit(self.pool, want, self._cap, self._release)
         except StorageUnavailable as exc:
@@ -151,21 +172,22 @@ class FairQueue(Actor):
         self.cap_seen = admission.cap
         granted = admission.granted
         self.granted += granted
-        picked = await self._pick(granted) if granted else []
+        picked = await self._pick(granted, bound) if granted else []
         self._release += granted - len(picked)
         if picked:
             self._send(picked, len(picked))
         if len(picked) < want:  # no room, or no tokens, for the rest yet
             self._next_round = time.monotonic() + WAIT_S
-        self._round = min(ROUND_MAX, self._round * 2) if self._policy.backlog else FIRST_ROUND
+        self._round = (min(ROUND_MAX, self._round * 2) if self._policy.due(bound, 1)
+                       else FIRST_ROUND)
         return len(picked)
 
-    async def _pick(self, budget: int) -> list[tuple[str, int]]:
+    async def _pick(self, budget: int, bound: int) -> list[tuple[str, int]]:
         now = time.monotonic()
         self._blocked = {t: until for t, until in self._blocked.items() if until > now}
         if not self._fair:
-            return self._policy.take(budget)
-        picked = self._policy.take(budget, self._eligible)
+            return self._policy.take(budget, bound=bound)
+        picked = self._policy.take(budget, self._eligible, bound)
         limited = {}
         for tenant, _ in picked:
             rate = self._limits.get(tenant, _NO_LIMITS).rate
@@ -175,7 +197,7 @@ class FairQueue(Actor):
             return picked
         kept = await self._within_quota(picked, limited)
         if len(kept) < budget:  # what a tenant out of tokens left goes to the others
-            kept += self._policy.take(budget - len(kept), self._unlimited_eligible)
+            kept += self._policy.take(budget - len(kept), self._unlimited_eligible, bound)
         return kept
 
     def _eligible(self, tenant: str) -> bool:

@@ -21,6 +21,15 @@ def item(due_us: int, shard_id: int, job_id_int: int) -> int:
     return (due_us << _SHARD_BITS | shard_id) << _JOB_BITS | job_id_int
 
 
+def due_bound(now_us: int) -> int:
+    """The least item not yet due at `now_us`: every item below it is due."""
+    return (now_us + 1) << _SHARD_BITS << _JOB_BITS
+
+
+def item_due_us(work: int) -> int:
+    return work >> (_SHARD_BITS + _JOB_BITS)
+
+
 def item_key(work: int) -> DueKey:
     head = work >> _JOB_BITS
     return DueKey(head & 0xFF, from_us(head >> _SHARD_BITS), uuid.UUID(int=work & _JOB_MASK))

@@ -2,9 +2,12 @@
 
 Loader: every LOAD_INTERVAL_S, one range scan of the shard's due_index up to
 now + LOOKAHEAD_S (overdue included), deduplicated into the heap.
-Popper: wakes when the heap top falls due (or on a notify), pops every due
-entry and hands them to their pools' fair queues (actors/fairqueue.py), which
-send them on to the dispatch actors when the pool's stream has room.
+Popper: wakes PREPARE_S before the heap top falls due (or on a notify), pops
+every entry due by then and hands them to their pools' fair queues
+(actors/fairqueue.py), which hold each until it is due and send it on to the
+dispatch actors when the pool's stream has room. Handing over early moves the
+Python work of a herd (a few us an entry, all in one event loop) out of the
+due second, so its first dispatch does not wait behind the rest's hand-over.
 
 Heap entries are single ints, `due_us << 160 | class << 128 | job_id.int`, so
 ordering by int is ordering by due time, and an entry costs one int object
@@ -37,12 +40,17 @@ LOOKAHEAD_S = 60.0
 # scheduler's time). Loads wait for the shard's batches to settle, checking this
 # often, at most MAX_DEFER_S.
 DEFER_POLL_S = 0.25
+DEFER_AT = 64  # unsettled items of a shard that defer its load
 MAX_DEFER_S = 4.0
 MAX_POP = 5_000  # entries per pass: bounds one hand-over
 # After a pass, the next waits this long: jobs due across a second would otherwise wake
 # every shard once per job and cross the fair queue one message each (a 300,000-job
 # second took the scheduler 4 s to hand over); a few ms of lag buys batches.
 POP_GATHER_S = 0.02
+# How long before their due time entries go to the fair queue, which holds them until
+# due: a herd due across one second is all handed over before its first job is due (a
+# 100,000 herd's hand-over takes the loop about 0.4 s).
+PREPARE_S = 1.0
 RECENT_TTL_S = 3 * LOAD_INTERVAL_S
 # Work handed to the fair queue and not settled after this long is loaded and handed
 # again: a hand-over lost on the way (a dispatch that died with its batch) would else
@@ -97,7 +105,8 @@ class ShardActor(Actor):
         now_us = to_us(self.clock.now())
         wake_us = self._next_load_us
         if self.heap:
-            wake_us = min(wake_us, max(entry_due_us(self.heap[0]), self._next_pop_us))
+            wake_us = min(wake_us, max(entry_due_us(self.heap[0]) - int(PREPARE_S * 1e6),
+                                       self._next_pop_us))
         return min(max(0.0, (wake_us - now_us) / 1e6), LOAD_INTERVAL_S)
 
     async def on_start(self) -> None:
@@ -122,7 +131,9 @@ class ShardActor(Actor):
 
     def _defer_load(self, now_us: int) -> bool:
         self._unsettled = [h for h in self._unsettled if h.pending(now_us, HANDED_TTL_S)]
-        if not self._unsettled:
+        # Only many unsettled items defer (a herd's, due or about to be): a load re-reads
+        # each of them for nothing, but steady work always has a few handed over early.
+        if sum(h.remaining for h in self._unsettled) < DEFER_AT:
             self._load_due_since_us = None
             return False
         if self._load_due_since_us is None:
@@ -174,14 +185,15 @@ class ShardActor(Actor):
         heapq.heappush(self.heap, value)
         return True
 
-    def pop_due(self, now: datetime,
-                limit: int = MAX_POP) -> dict[str, list[tuple[str, int, int]]]:
-        """What is due, by pool: (tenant id, fair-queue item, heap entry), in due order."""
-        now_us = to_us(now)
+    def pop_due(self, now: datetime, limit: int = MAX_POP,
+                ahead_s: float = PREPARE_S) -> dict[str, list[tuple[str, int, int]]]:
+        """What is due within `ahead_s`, by pool: (tenant id, fair-queue item, heap entry),
+        in due order."""
+        stamp = to_us(now)
+        horizon_us = stamp + int(ahead_s * 1e6)
         by_pool: dict[str, list[tuple[str, int]]] = {}
         popped = 0
-        stamp = now_us
-        while self.heap and entry_due_us(self.heap[0]) <= now_us and popped < limit:
+        while self.heap and entry_due_us(self.heap[0]) <= horizon_us and popped < limit:
             value = heapq.heappop(self.heap)
             self._members.discard(value)
             self._recent[value] = stamp

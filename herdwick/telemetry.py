@@ -148,7 +148,8 @@ def timed_redis(call: str) -> Iterator[None]:
 GAUGES = {
     "herdwick_ready_depth": "Ready-stream entries no worker has read yet, per pool",
     "herdwick_ready_pending": "Ready-stream entries read by a worker and not yet acked",
-    "herdwick_fair_queue_depth": "Due work waiting in this scheduler's fair queue, per pool",
+    "herdwick_fair_queue_depth": ("Work waiting in this scheduler's fair queue, per pool: due,"
+                                  " or handed over up to 1 s before it falls due"),
     "herdwick_shards_owned": "Shards whose lease this scheduler holds",
     "herdwick_shard_heap_entries": "Due entries in each owned shard's heap",
     "herdwick_worker_in_flight": "Attempts this worker process is running, per pool",

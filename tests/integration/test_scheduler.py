@@ -45,6 +45,27 @@ async def test_a_one_off_is_published_when_due_and_not_before(api, schedulers, r
     assert len(await ready(redis_client, key_prefix)) == 1
 
 
+async def test_work_handed_over_before_it_is_due_waits_in_the_fair_queue_until_due(
+        api, schedulers, redis_client, key_prefix, clock) -> None:
+    from herdwick.actors.shard import PREPARE_S
+
+    await submit(api, schedule={"delaySeconds": 30})
+    node = await schedulers()
+    await node.settle()
+    await advance(clock, 30 - PREPARE_S / 2, node)  # within the hand-over's lead
+    await node.settle()
+    [queue] = node._pools.values()
+    assert queue.backlog == 1  # handed over already
+    assert await ready(redis_client, key_prefix) == []  # and not one microsecond early
+    clock.advance(PREPARE_S / 2 - 0.000_001)
+    await node.settle()
+    assert await ready(redis_client, key_prefix) == []
+    clock.advance(0.000_001)
+    await node.settle()
+    assert len(await ready(redis_client, key_prefix)) == 1
+    assert queue.backlog == 0
+
+
 async def test_a_cron_job_queues_each_occurrence_and_its_successor(api, schedulers, redis_client,
                                                                     key_prefix, clock, db) -> None:
     job = await submit(api, schedule={"cron": "*/5 * * * *"})
@@ -219,7 +240,13 @@ class _HeldQueues:
 async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
         api, clock, db) -> None:
     from herdwick.actors.base import Tick
-    from herdwick.actors.shard import DEFER_POLL_S, LOAD_INTERVAL_S, MAX_DEFER_S, ShardActor
+    from herdwick.actors.shard import (
+        DEFER_AT,
+        DEFER_POLL_S,
+        LOAD_INTERVAL_S,
+        MAX_DEFER_S,
+        ShardActor,
+    )
 
     async def due_row(seconds: float) -> None:
         job = await submit(api, schedule={"delaySeconds": seconds})  # from the test's clock
@@ -236,18 +263,25 @@ async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
     [held] = queues.readies
     assert held.handed.remaining == 1 and len(shard.heap) == 0
 
-    await due_row(60)  # lands while the work waits: the next load is deferred
+    await due_row(60)  # a few items waiting (steady work) do not defer a load
     clock.advance(LOAD_INTERVAL_S)
-    await shard.handle(Tick())
-    assert len(shard.heap) == 0
-    held.handed.remaining = 0  # dispatched: the shard loads at its next poll
-    clock.advance(DEFER_POLL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 1
 
+    held.handed.remaining = DEFER_AT  # as many as a herd's: the next load is deferred
+    await due_row(60)
+    clock.advance(LOAD_INTERVAL_S)
+    await shard.handle(Tick())
+    assert len(shard.heap) == 1
+    held.handed.remaining = 0  # dispatched: the shard loads at its next poll
+    clock.advance(DEFER_POLL_S)
+    await shard.handle(Tick())
+    assert len(shard.heap) == 2
+
     clock.advance(60)
-    await shard.handle(Tick())  # pops that row; this work never settles
+    await shard.handle(Tick())  # pops both rows; this work never settles
     assert len(queues.readies) == 2 and len(shard.heap) == 0
+    queues.readies[1].handed.remaining = DEFER_AT
     await due_row(60)
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import heapq
 import random
 
 import pytest
@@ -110,3 +111,48 @@ def test_fifo_serves_every_tenant_in_due_order_alone() -> None:
     second = policy.take(20)  # due 500..509: both tenants' work, interleaved by due time
     assert shares(second) == {"quiet": 10, "noisy": 10}
     assert [i >> 32 for _, i in second] == sorted(i >> 32 for _, i in second)
+
+
+@pytest.mark.parametrize("policy_type", [DrrPolicy, FifoPolicy])
+def test_work_handed_over_early_is_taken_only_once_due(policy_type) -> None:
+    policy = policy_type()
+    fill(policy, "a", 10, first_due=100)  # due 100..109
+    fill(policy, "b", 10, first_due=105)  # due 105..114
+    assert policy.due(item(100)) == 0  # bound: the least item not yet due
+    assert policy.take(50, bound=item(100)) == []
+    assert policy.earliest() == item(100, 0)
+    bound = item(106)
+    assert policy.due(bound) == 6 + 1
+    assert policy.due(bound, limit=3) == 3
+    taken = policy.take(50, bound=bound)
+    assert sorted(taken) == sorted([("a", item(100 + n, n)) for n in range(6)] + [("b", item(105))])
+    assert policy.backlog == 20 - 7
+    assert policy.take(50, bound=bound) == []
+    rest = policy.take(50)
+    assert len(rest) == 13 and all(work >= bound for _, work in rest)
+
+
+def test_a_tenant_with_nothing_due_yet_keeps_no_credit_and_does_not_block_the_ring() -> None:
+    policy = DrrPolicy()
+    fill(policy, "early", 100, first_due=0)
+    fill(policy, "later", 100, first_due=1_000)
+    first = policy.take(20, bound=item(1_000))
+    assert shares(first) == {"early": 20}  # "later" sat out: its work is not due
+    # Once both are due they share evenly: "later" brought no credit from its wait.
+    second = policy.take(40, bound=item(2_000))
+    assert shares(second) == {"early": 20, "later": 20}
+
+
+def test_due_counts_below_the_bound_in_any_heap_shape() -> None:
+    from herdwick.actors.fairness import count_below
+
+    rng = random.Random(7)
+    for _ in range(200):
+        values = [rng.randrange(1_000) for _ in range(rng.randrange(0, 300))]
+        heap = []
+        for v in values:
+            heapq.heappush(heap, v)
+        bound = rng.randrange(1_100)
+        want = sum(v < bound for v in values)
+        assert count_below(heap, bound, 1 << 30) == want
+        assert count_below(heap, bound, 5) == min(want, 5)
