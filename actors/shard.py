@@ -1,7 +1,9 @@
 """The shard actor: the next minute or two of one shard's due work, in a min-heap.
 
-Loader: every LOAD_INTERVAL_S, one range scan of the shard's due_index up to
-now + LOOKAHEAD_S (overdue included), deduplicated into the heap.
+Loader: every LOAD_INTERVAL_S, a range scan of the shard's due_index up to
+now + LOOKAHEAD_S (overdue included), deduplicated into the heap. What an earlier
+load read is read again only once due within NEAR_S: a herd loaded a minute ahead
+is read about six times, not thirty.
 Popper: wakes PREPARE_S before the heap top falls due (or on a notify), pops
 every entry due by then and hands them to their pools' fair queues
 (actors/fairqueue.py), which hold each until it is due and send it on to the
@@ -35,6 +37,10 @@ log = logs.get("herdwick.shard")
 
 LOAD_INTERVAL_S = 2.0
 LOOKAHEAD_S = 60.0
+# Rows an earlier load read are in the heap; only those due within NEAR_S are read again,
+# to catch a row added behind the horizon without a notify (a lost one, or a retry's)
+# before it falls due: longer than a load interval and a deferred load's wait together.
+NEAR_S = 10.0
 # A load while handed-over work still waits (for room on its stream, or for its
 # dispatch transaction) re-reads it for nothing (a herd's backlog: a sixth of the
 # scheduler's time). Loads wait for the shard's batches to settle, checking this
@@ -93,6 +99,7 @@ class ShardActor(Actor):
         self._next_load_us = 0
         self._next_pop_us = 0  # idle wakes for due entries no sooner than this
         self._load_due_since_us: int | None = None  # a load is due but deferred since then
+        self._read_until: datetime | None = None  # the last whole load's horizon
         # Batches handed over whose work the fair queues have not settled yet.
         self._unsettled: list[Handed] = []
         # Popped entries -> their batch, while it is unsettled: a load that cannot wait
@@ -149,7 +156,11 @@ class ShardActor(Actor):
 
     async def load(self, now: datetime) -> int:
         """One range scan into the heap; returns how many entries it added."""
-        rows = await store.load_due(self._db, self.shard_id, now + timedelta(seconds=LOOKAHEAD_S))
+        horizon = now + timedelta(seconds=LOOKAHEAD_S)
+        rows = await store.load_due(self._db, self.shard_id, horizon,
+                                    now + timedelta(seconds=NEAR_S), self._read_until)
+        if len(rows) < store.LOAD_LIMIT:  # a cut-short read covered less: read it again
+            self._read_until = horizon
         self._forget_old_recent(now)
         now_us = to_us(now)
         self._handed = {v: h for v, h in self._handed.items()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 
 import msgspec
 
@@ -13,6 +13,7 @@ from herdwick.storage.jobs import due_minute
 from herdwick.storage.sql import q
 
 LOAD_LIMIT = 50_000
+_EARLIEST = datetime.min.replace(tzinfo=UTC)
 
 
 class DueRow(msgspec.Struct, frozen=True):
@@ -116,9 +117,14 @@ class DueKey(msgspec.Struct, frozen=True):
 
 
 async def load_due(db: Database, shard_id: int, horizon: datetime,
+                   near: datetime | None = None, read_until: datetime | None = None,
                    limit: int = LOAD_LIMIT) -> list[DueRow]:
+    """Due rows up to `horizon`, leaving out those of due minutes up to `read_until`
+    (an earlier load's horizon) that are not due by `near`; everything without it."""
+    if read_until is None:
+        near, read_until = horizon, _EARLIEST
     async with db.connection() as conn:
-        rows = await conn.fetch(q("load_due"), shard_id, horizon, limit)
+        rows = await conn.fetch(q("load_due"), shard_id, horizon, near, read_until, limit)
     return [DueRow(r["next_run_at"], r["job_id"], r["execution_id"], r["scheduled_for"],
                    r["attempt"], str(r["tenant_id"]), r["pool"]) for r in rows]
 

@@ -263,13 +263,13 @@ async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
     [held] = queues.readies
     assert held.handed.remaining == 1 and len(shard.heap) == 0
 
-    await due_row(60)  # a few items waiting (steady work) do not defer a load
+    await due_row(9)  # a few items waiting (steady work) do not defer a load
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 1
 
     held.handed.remaining = DEFER_AT  # as many as a herd's: the next load is deferred
-    await due_row(60)
+    await due_row(9)
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 1
@@ -282,13 +282,32 @@ async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
     await shard.handle(Tick())  # pops both rows; this work never settles
     assert len(queues.readies) == 2 and len(shard.heap) == 0
     queues.readies[1].handed.remaining = DEFER_AT
-    await due_row(60)
+    await due_row(9)
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 0
     clock.advance(MAX_DEFER_S)  # a batch that never settles defers loads only so long
     await shard.handle(Tick())
     assert len(shard.heap) == 1
+
+
+async def test_a_load_reads_again_only_what_falls_due_soon(api, clock, db) -> None:
+    """A row behind the last load's horizon that came without a notify is not read at
+    every load, but it is read once due within NEAR_S, before it falls due."""
+    from herdwick.actors.shard import LOAD_INTERVAL_S, NEAR_S, ShardActor
+
+    queues = _HeldQueues()
+    shard = ShardActor(7, 1, db=db, hand=queues.hand, reject=None, clock=clock)
+    assert await shard.load(clock.now()) == 0
+    job = await submit(api, schedule={"delaySeconds": 30})  # no notify reaches this actor
+    async with db.connection() as conn:
+        await conn.execute("UPDATE due_index SET shard_id = 7 WHERE job_id = $1",
+                           uuid.UUID(job["jobId"]))
+    clock.advance(LOAD_INTERVAL_S)
+    assert await shard.load(clock.now()) == 0  # its minute was read: not again yet
+    clock.advance(30 - LOAD_INTERVAL_S - NEAR_S)
+    assert await shard.load(clock.now()) == 1  # due within NEAR_S: read, and in the heap
+    assert len(shard.heap) == 1 and not queues.readies
 
 
 async def test_work_whose_hand_over_was_lost_is_handed_again(api, clock, db) -> None:
