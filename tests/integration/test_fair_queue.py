@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from herdwick.actors.base import Actor
-from herdwick.actors.fairqueue import FairQueue
+from herdwick.actors.base import Actor, Tick
+from herdwick.actors.fairqueue import FIRST_ROUND, ROUND_GATHER_S, FairQueue
 from herdwick.actors.messages import Due, Handed, Ready, item
 from herdwick.clock import to_us
 from herdwick.storage import keys
@@ -205,7 +205,8 @@ async def test_sync_tenants_work_goes_to_a_dispatcher_of_its_own_and_waits_when_
 
     async def hand(tenant: str, first: int, count: int) -> None:
         items = [(tenant, item(due_us, 7, n)) for n in range(first, first + count)]
-        await queue.handle(Ready(7, 1, items, Handed(count)))  # a round runs at once
+        await queue.handle(Ready(7, 1, items, Handed(count)))
+        await queue.handle(Tick())  # a round now, not after ROUND_GATHER_S
 
     def dues(actor: Actor) -> list[Due]:
         taken = []
@@ -225,3 +226,34 @@ async def test_sync_tenants_work_goes_to_a_dispatcher_of_its_own_and_waits_when_
     assert queue.backlog == 2
     [careful] = dues(for_sync)
     assert [k.job_id.int for k in careful.keys] == [0, 1, 2]
+
+
+async def test_a_few_due_items_wait_briefly_for_more_and_go_in_one_round(
+        redis_client, key_prefix, clock) -> None:
+    """Steady work falls due a few ms apart: it goes in one Due after ROUND_GATHER_S, not
+    one a job; as much as a first round goes at once."""
+    hot = HotTier(redis_client, key_prefix)
+    await hot.load_functions()
+    dispatcher = Actor(clock=clock)
+    queue = FairQueue(POOL, hot=hot, clock=clock, dispatchers=[dispatcher], lag={}, limits={})
+    due_us = to_us(clock.now())
+
+    async def hand(first: int, count: int) -> None:
+        items = [("t", item(due_us, 7, n)) for n in range(first, first + count)]
+        await queue.handle(Ready(7, 1, items, Handed(count)))
+
+    def dues() -> list[list[int]]:
+        taken = []
+        while not dispatcher.mailbox.empty():
+            taken.append([k.job_id.int for k in dispatcher.mailbox.get_nowait().keys])
+        return taken
+
+    await hand(0, 1)
+    await hand(1, 2)
+    assert dues() == [] and 0 < queue.idle_timeout() <= ROUND_GATHER_S
+    await asyncio.sleep(ROUND_GATHER_S)  # real time: the round waits by the monotonic clock
+    await queue.handle(None)
+    assert dues() == [[0, 1, 2]]
+
+    await hand(100, FIRST_ROUND)
+    assert dues() == [list(range(100, 100 + FIRST_ROUND))]
