@@ -92,6 +92,7 @@ POOL = "faults"
 WORKER_APP = "tests.faults.fault_worker:worker"
 SKEWED_MODULE = "tests.faults.skewed_scheduler"
 SCHEDULERS = 2
+HARNESS_CONNECTIONS = 6
 WORKERS = 2
 CONCURRENCY = 50  # per worker: 100 attempts in flight at most
 HTTP_JOBS = 300  # with http=True: of the herd, these are http jobs to tests/faults/receiver.py
@@ -348,7 +349,11 @@ class Stack:
         began = time.perf_counter()
         print(f"\nfault seed {seed} ({SEED_ENV}={seed} replays it)", flush=True)
         async with contextlib.AsyncExitStack() as exits:
-            db = await Database.connect(db_url, min_size=1, max_size=6)
+            # All six open from the start: a test beside this one on the other xdist worker
+            # may fill the server's connection slots for a moment, and the harness's own
+            # steady inserts must not be what fails then (the stack's processes retry).
+            db = await Database.connect(db_url, min_size=HARNESS_CONNECTIONS,
+                                        max_size=HARNESS_CONNECTIONS)
             exits.push_async_callback(db.close)
             stack = cls(db, exits, db_url=db_url, redis_url=redis_url, prefix=prefix,
                         seed=seed, rng=rng)
