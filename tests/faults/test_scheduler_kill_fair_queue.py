@@ -51,7 +51,9 @@ from herdwick.storage.hot import Admission, HotTier
 from tests.faults.test_scheduler_process import owners, start_process
 from tests.integration.conftest import Api, make_job, tenant_api
 
-pytestmark = pytest.mark.slow
+# The stages' own deadlines (below) add up to 100 s besides the stack's start: under the
+# suite's default 120 s a slow run would end without saying which stage stalled.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 POOL = "emails"
 TENANTS = ("acme", "globex", "initech")  # acme is tenant_api's own
