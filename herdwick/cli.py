@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -367,8 +368,9 @@ def _settings(args: argparse.Namespace) -> Settings:
     return from_env(**overrides)
 
 
-GC_DEFAULT_THRESHOLDS = (700, 10, 10)
 GC_SERVICE_THRESHOLDS = (50_000, 20, 100)
+# The interpreter's own, as the command started (they differ between Python versions).
+_GC_AT_START = gc.get_threshold()
 
 
 def _collect_less() -> None:
@@ -376,9 +378,7 @@ def _collect_less() -> None:
     at Python's default thresholds the scheduler and workers ran a full collection every
     0.3-1.5 s (50-160 ms each, finding nothing). Young cycles are still collected; what
     was loaded at start is never rescanned. Thresholds the code set itself are kept."""
-    import gc
-
-    if gc.get_threshold() != GC_DEFAULT_THRESHOLDS:
+    if gc.get_threshold() != _GC_AT_START:
         return
     gc.freeze()
     gc.set_threshold(*GC_SERVICE_THRESHOLDS)

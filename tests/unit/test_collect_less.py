@@ -4,10 +4,11 @@ code they run set its own thresholds."""
 import subprocess
 import sys
 
+# As `herdwick worker` runs: the command's module first, then the handler's (`before`).
 PROBE = """
 import gc
-{before}
 from herdwick.cli import _collect_less
+{before}
 _collect_less()
 print(gc.get_threshold(), gc.get_freeze_count() > 0)
 """
