@@ -23,7 +23,7 @@ def item(due_us: int, shard_id: int, job_id_int: int) -> int:
 
 def due_bound(now_us: int) -> int:
     """The least item not yet due at `now_us`: every item below it is due."""
-    return (now_us + 1) << _SHARD_BITS << _JOB_BITS
+    return item(now_us + 1, 0, 0)
 
 
 def item_due_us(work: int) -> int:
