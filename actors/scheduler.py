@@ -110,8 +110,8 @@ class Scheduler:
         self._ready_stats: dict[str, tuple[int, int]] = {}  # pool -> (depth, pending): gauges
 
     async def start(self) -> Scheduler:
-        self.db = self._given_db or await Database.connect(self.settings.database_url,
-                                                           max_size=DB_POOL_MAX)
+        self.db = self._given_db or await Database.connect(
+            self.settings.database_url, max_size=DB_POOL_MAX, generic_plans=True)
         async with self.db.connection() as conn:
             await migrate.check(conn)
         client = self._given_redis or redis_client.connect(self.settings.redis_url)

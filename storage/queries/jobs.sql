@@ -73,9 +73,12 @@ SELECT request_hash, status, response, expires_at
 FROM idempotency_keys WHERE tenant_id = $1 AND key = $2;
 
 -- name: delete_expired_idempotency
--- Retention: drops records past their expiry, at most $2 per call.
+-- Retention: drops records past their expiry, at most $2 per call, oldest first: the
+-- order makes every plan, the scheduler's generic one too, walk idempotency_keys_expiry
+-- and stop, never scan a table of unexpired keys.
 DELETE FROM idempotency_keys
-WHERE ctid IN (SELECT ctid FROM idempotency_keys WHERE expires_at < $1 LIMIT $2);
+WHERE ctid IN (SELECT ctid FROM idempotency_keys WHERE expires_at < $1
+               ORDER BY expires_at LIMIT $2);
 
 -- name: get_job
 SELECT job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,

@@ -9,6 +9,8 @@ from datetime import timedelta
 import pytest
 
 from herdwick.actors.base import sync
+from herdwick.actors.scheduler import Scheduler
+from herdwick.config import Settings
 from herdwick.ids import shard_of
 from tests.conftest import T0
 from tests.integration.conftest import make_job
@@ -43,6 +45,27 @@ async def test_a_one_off_is_published_when_due_and_not_before(api, schedulers, r
     await advance(clock, 60, node)
     await node.settle()
     assert len(await ready(redis_client, key_prefix)) == 1
+
+
+async def test_the_scheduler_plans_its_statements_once_and_still_dispatches(
+        api, db_url, services, redis_client, key_prefix, clock, db) -> None:
+    job = await submit(api, schedule={"delaySeconds": 30})
+    node = Scheduler(Settings(database_url=db_url, redis_url=services.redis_url,
+                              key_prefix=key_prefix),
+                     clock=clock, redis=redis_client, node_id="own-pool", tick=False)
+    await node.start()
+    try:
+        async with node.db.connection() as conn:
+            assert await conn.fetchval("SHOW plan_cache_mode") == "force_generic_plan"
+        async with db.connection() as conn:  # any other pool: Postgres's own choice
+            assert await conn.fetchval("SHOW plan_cache_mode") == "auto"
+        await node.settle()
+        await advance(clock, 30, node)
+        await node.settle()
+        [entry] = await ready(redis_client, key_prefix)
+        assert entry["job_id"] == job["jobId"]
+    finally:
+        await node.stop()
 
 
 async def test_work_handed_over_before_it_is_due_waits_in_the_fair_queue_until_due(
