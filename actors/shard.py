@@ -67,6 +67,8 @@ _JOB_BITS = 128
 _CLASS_BITS = 32
 _JOB_MASK = (1 << _JOB_BITS) - 1
 _CLASS_MASK = (1 << _CLASS_BITS) - 1
+# An entry's key: the entry without its class, all a re-read row tells of it.
+_KEY_MASK = ~(_CLASS_MASK << _JOB_BITS)
 
 Hand = Callable[[str, Ready], Awaitable[None]]  # (pool, work) to that pool's fair queue
 
@@ -92,17 +94,17 @@ class ShardActor(Actor):
         self._hand = hand
         self._reject_to = reject  # a dispatch actor: rows it cannot load are recorded there
         self.heap: list[int] = []
-        self._members: set[int] = set()  # what is in the heap, for dedup on reload
+        self._members: set[int] = set()  # keys of what is in the heap, for dedup on reload
         self._classes: list[tuple[str, str]] = []  # class -> (tenant id, pool)
         self._class_of: dict[tuple[str, str], int] = {}
-        self._recent: dict[int, int] = {}  # popped entries -> pop time (us, the clock's)
+        self._recent: dict[int, int] = {}  # popped keys -> pop time (us, the clock's)
         self._next_load_us = 0
         self._next_pop_us = 0  # idle wakes for due entries no sooner than this
         self._load_due_since_us: int | None = None  # a load is due but deferred since then
         self._read_until: datetime | None = None  # the last whole load's horizon
         # Batches handed over whose work the fair queues have not settled yet.
         self._unsettled: list[Handed] = []
-        # Popped entries -> their batch, while it is unsettled: a load that cannot wait
+        # Popped keys -> their batch, while it is unsettled: a load that cannot wait
         # any longer (MAX_DEFER_S) skips them instead of handing a herd's backlog over
         # again every few seconds (a tenth of the scheduler and Postgres in a long drain).
         self._handed: dict[int, Handed] = {}
@@ -167,16 +169,25 @@ class ShardActor(Actor):
                         if h.pending(now_us, HANDED_TTL_S)}
         added = 0
         bad: list[DueRow] = []
+        unknown: list[DueRow] = []  # re-read as keys, not held: their jobs are looked up
         for row in rows:
             if row.next_run_at.tzinfo is None:  # asyncpg's -infinity: no time to run it at
                 bad.append(row)
                 continue
-            value = entry(to_us(row.next_run_at), row.job_id.int,
-                          self._class(row.tenant_id, row.pool))
-            if value in self._recent or value in self._handed:
+            due_us, job = to_us(row.next_run_at), row.job_id.int
+            key = entry(due_us, job)
+            if key in self._members or key in self._recent or key in self._handed:
                 continue
-            if self._push(value):
+            if not row.tenant_id:
+                unknown.append(row)
+            elif self._push(entry(due_us, job, self._class(row.tenant_id, row.pool))):
                 added += 1
+        if unknown:  # a job gone since has no class, and no row to dispatch either
+            classes = await store.job_classes(self._db, [r.job_id for r in unknown])
+            for row in unknown:
+                if (found := classes.get(row.job_id)) is not None and self._push(
+                        entry(to_us(row.next_run_at), row.job_id.int, self._class(*found))):
+                    added += 1
         self._next_load_us = to_us(now) + int(LOAD_INTERVAL_S * 1e6)
         self._load_due_since_us = None
         if bad:
@@ -190,15 +201,16 @@ class ShardActor(Actor):
                                           [error] * len(keys)))
 
     def _push(self, value: int) -> bool:
-        if value in self._members:
+        key = value & _KEY_MASK
+        if key in self._members:
             return False
-        self._members.add(value)
+        self._members.add(key)
         heapq.heappush(self.heap, value)
         return True
 
     def pop_due(self, now: datetime, limit: int = MAX_POP,
                 ahead_s: float = PREPARE_S) -> dict[str, list[tuple[str, int, int]]]:
-        """What is due within `ahead_s`, by pool: (tenant id, fair-queue item, heap entry),
+        """What is due within `ahead_s`, by pool: (tenant id, fair-queue item, entry key),
         in due order."""
         stamp = to_us(now)
         horizon_us = stamp + int(ahead_s * 1e6)
@@ -206,11 +218,12 @@ class ShardActor(Actor):
         popped = 0
         while self.heap and entry_due_us(self.heap[0]) <= horizon_us and popped < limit:
             value = heapq.heappop(self.heap)
-            self._members.discard(value)
-            self._recent[value] = stamp
+            key = value & _KEY_MASK
+            self._members.discard(key)
+            self._recent[key] = stamp
             tenant, pool = self._classes[value >> _JOB_BITS & _CLASS_MASK]
             by_pool.setdefault(pool, []).append(
-                (tenant, item(entry_due_us(value), self.shard_id, value & _JOB_MASK), value))
+                (tenant, item(entry_due_us(value), self.shard_id, value & _JOB_MASK), key))
             popped += 1
         return by_pool
 
@@ -220,8 +233,8 @@ class ShardActor(Actor):
             for pool, popped in by_pool.items():
                 handed = Handed(len(popped), to_us(now))
                 self._unsettled.append(handed)
-                for _, _, value in popped:
-                    self._handed[value] = handed
+                for _, _, key in popped:
+                    self._handed[key] = handed
                 items = [(tenant, work) for tenant, work, _ in popped]
                 await self._hand(pool, Ready(self.shard_id, self.revision, items, handed))
 

@@ -19,10 +19,7 @@ _EARLIEST = datetime.min.replace(tzinfo=UTC)
 class DueRow(msgspec.Struct, frozen=True):
     next_run_at: datetime
     job_id: uuid.UUID
-    execution_id: uuid.UUID | None = None
-    scheduled_for: datetime | None = None
-    attempt: int | None = None
-    tenant_id: str = ""  # UUID text: what the fair queue keys tenants by
+    tenant_id: str = ""  # UUID text: what the fair queue keys tenants by; "": a key alone
     pool: str = ""
 
 
@@ -120,13 +117,21 @@ async def load_due(db: Database, shard_id: int, horizon: datetime,
                    near: datetime | None = None, read_until: datetime | None = None,
                    limit: int = LOAD_LIMIT) -> list[DueRow]:
     """Due rows up to `horizon`, leaving out those of due minutes up to `read_until`
-    (an earlier load's horizon) that are not due by `near`; everything without it."""
+    (an earlier load's horizon) that are not due by `near`; everything without it.
+    Rows of those earlier minutes come as keys alone (no tenant or pool)."""
     if read_until is None:
         near, read_until = horizon, _EARLIEST
     async with db.connection() as conn:
         rows = await conn.fetch(q("load_due"), shard_id, horizon, near, read_until, limit)
-    return [DueRow(r["next_run_at"], r["job_id"], r["execution_id"], r["scheduled_for"],
-                   r["attempt"], str(r["tenant_id"]), r["pool"]) for r in rows]
+    return [DueRow(next_run_at, job_id, "" if tenant_id is None else str(tenant_id), pool or "")
+            for _, next_run_at, job_id, tenant_id, pool in rows]
+
+
+async def job_classes(db: Database, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, tuple[str, str]]:
+    """Job id -> (tenant id as text, pool), for the jobs that exist."""
+    async with db.connection() as conn:
+        rows = await conn.fetch(q("job_classes"), job_ids)
+    return {r["job_id"]: (str(r["tenant_id"]), r["pool"]) for r in rows}
 
 
 def _claimed(row) -> Claimed:

@@ -2,23 +2,27 @@
 -- A shard's due rows up to the horizon $2 (overdue included), in index order: the
 -- keys, and the tenant and pool the fair queue orders them by (the dispatch fetches
 -- the rest). Rows of due minutes up to $4, which an earlier load read, are read again
--- only when due by the near edge $3 (they are in the heap already; the near edge
--- catches one added since without a notify); the earliest time reads everything. Two
--- index range scans, merged in order.
-(SELECT d.due_minute, d.next_run_at, d.job_id, d.execution_id, d.scheduled_for, d.attempt,
-        j.tenant_id, j.pool
- FROM due_index d JOIN jobs j ON j.job_id = d.job_id
+-- only when due by the near edge $3, and as keys alone (tenant_id NULL): the shard
+-- holds nearly all of them already and looks up the jobs of the few it does not
+-- (job_classes), which a herd's re-reads would otherwise join row by row. The
+-- earliest time reads everything. Two index range scans, merged in order.
+(SELECT d.due_minute, d.next_run_at, d.job_id, NULL::uuid AS tenant_id, NULL::text AS pool
+ FROM due_index d
  WHERE d.shard_id = $1 AND d.due_minute <= least($2::timestamptz, $4::timestamptz)
    AND d.next_run_at <= $3::timestamptz
  ORDER BY d.due_minute, d.next_run_at, d.job_id)
 UNION ALL
-(SELECT d.due_minute, d.next_run_at, d.job_id, d.execution_id, d.scheduled_for, d.attempt,
-        j.tenant_id, j.pool
+(SELECT d.due_minute, d.next_run_at, d.job_id, j.tenant_id, j.pool
  FROM due_index d JOIN jobs j ON j.job_id = d.job_id
  WHERE d.shard_id = $1 AND d.due_minute > $4 AND d.due_minute <= $2
  ORDER BY d.due_minute, d.next_run_at, d.job_id)
 ORDER BY due_minute, next_run_at, job_id
 LIMIT $5;
+
+-- name: job_classes
+-- The tenant and pool of these jobs: for the due rows a load read as keys alone that
+-- its shard did not hold (a retry's, a cron successor's, one whose notify was lost).
+SELECT job_id, tenant_id, pool FROM jobs WHERE job_id = ANY($1::uuid[]);
 
 -- name: claim_due
 -- Step 1 of a dispatch transaction. Holds the lease row of every shard in the

@@ -255,9 +255,11 @@ class _HeldQueues:
 
     def __init__(self) -> None:
         self.readies: list = []
+        self.pools: list[str] = []
 
     async def hand(self, pool: str, ready) -> None:
         self.readies.append(ready)
+        self.pools.append(pool)
 
 
 async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
@@ -317,6 +319,7 @@ async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
 async def test_a_load_reads_again_only_what_falls_due_soon(api, clock, db) -> None:
     """A row behind the last load's horizon that came without a notify is not read at
     every load, but it is read once due within NEAR_S, before it falls due."""
+    from herdwick.actors.base import Tick
     from herdwick.actors.shard import LOAD_INTERVAL_S, NEAR_S, ShardActor
 
     queues = _HeldQueues()
@@ -331,6 +334,31 @@ async def test_a_load_reads_again_only_what_falls_due_soon(api, clock, db) -> No
     clock.advance(30 - LOAD_INTERVAL_S - NEAR_S)
     assert await shard.load(clock.now()) == 1  # due within NEAR_S: read, and in the heap
     assert len(shard.heap) == 1 and not queues.readies
+    clock.advance(LOAD_INTERVAL_S)
+    assert await shard.load(clock.now()) == 0  # held: read again as a key, and skipped
+    # Read as a key alone, it went in with its job's tenant and pool, looked up.
+    clock.advance(NEAR_S - LOAD_INTERVAL_S)
+    await shard.handle(Tick())
+    [ready] = queues.readies
+    assert queues.pools == ["emails"]
+    assert [tenant for tenant, _ in ready.items] == [api.tenant_id]
+
+
+async def test_a_re_read_key_whose_job_is_gone_is_passed_over(api, clock, db) -> None:
+    """A due row read again as a key alone, whose job no longer exists, has no tenant or
+    pool to queue it by: the load goes on without it, as its first read (a join) did."""
+    from herdwick.actors.shard import LOAD_INTERVAL_S, NEAR_S, ShardActor
+    from herdwick.storage.jobs import due_minute
+
+    shard = ShardActor(7, 1, db=db, hand=_HeldQueues().hand, reject=None, clock=clock)
+    assert await shard.load(clock.now()) == 0
+    due = clock.now() + timedelta(seconds=NEAR_S - 1)
+    async with db.connection() as conn:
+        await conn.execute("INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)"
+                           " VALUES (7, $1, $2, $3)", due_minute(due), due, uuid.uuid4())
+    clock.advance(LOAD_INTERVAL_S)
+    assert await shard.load(clock.now()) == 0
+    assert shard.heap == []
 
 
 async def test_work_whose_hand_over_was_lost_is_handed_again(api, clock, db) -> None:
