@@ -2,8 +2,9 @@
 
 Loader: every LOAD_INTERVAL_S, a range scan of the shard's due_index up to
 now + LOOKAHEAD_S (overdue included), deduplicated into the heap. What an earlier
-load read is read again only once due within NEAR_S: a herd loaded a minute ahead
-is read about six times, not thirty.
+load read is read again only once due within NEAR_S, and then as keys alone (the
+jobs of the few keys the shard does not hold are looked up): a herd loaded a
+minute ahead is read once with its jobs and about five times more as keys.
 Popper: wakes PREPARE_S before the heap top falls due (or on a notify), pops
 every entry due by then and hands them to their pools' fair queues
 (actors/fairqueue.py), which hold each until it is due and send it on to the

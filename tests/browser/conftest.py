@@ -9,10 +9,12 @@ Redis prefix, time moved through the ManualClock.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -32,24 +34,36 @@ except ImportError:  # the dev extra is not installed
     async_playwright = None
 
 CHROMIUM = Path("/usr/bin/chromium")
+INSTALL_LOCK = Path(tempfile.gettempdir()) / "herdwick-chromium-install.lock"
 INSTALL_TIMEOUT_S = 480
 PAGE_TIMEOUT_MS = 10_000
 
 
 def _install_chromium() -> str | None:
-    """Debian's chromium, installed if missing; None, or why it cannot be had here."""
+    """Debian's chromium, installed if missing; None, or why it cannot be had here.
+
+    One install at a time: each pytest process (an xdist worker, a second run) that
+    needs it takes INSTALL_LOCK and looks again once it holds it, and apt-get waits for
+    dpkg's own lock rather than failing at once (a CI run skipped every browser test
+    when two installs met)."""
     if CHROMIUM.exists():
         return None
     apt = shutil.which("apt-get")
     if apt is None:
         return f"{CHROMIUM} is missing and there is no apt-get to install Debian's chromium"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in ([apt, "install", "-y", "-q", "chromium"],
-                 [apt, "update", "-q"], [apt, "install", "-y", "-q", "chromium"]):
-        done = subprocess.run(argv, env=env, capture_output=True, text=True,
-                              timeout=INSTALL_TIMEOUT_S)
-        if argv[1] == "install" and done.returncode == 0 and CHROMIUM.exists():
+    with open(INSTALL_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if CHROMIUM.exists():
             return None
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        wait = ["-o", f"DPkg::Lock::Timeout={INSTALL_TIMEOUT_S // 2}"]
+        for argv in ([apt, *wait, "install", "-y", "-q", "chromium"],
+                     [apt, *wait, "update", "-q"],
+                     [apt, *wait, "install", "-y", "-q", "chromium"]):
+            done = subprocess.run(argv, env=env, capture_output=True, text=True,
+                                  timeout=INSTALL_TIMEOUT_S)
+            if "install" in argv and done.returncode == 0 and CHROMIUM.exists():
+                return None
     return f"apt-get could not install chromium: {done.stderr[-2000:]}"
 
 
