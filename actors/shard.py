@@ -30,6 +30,7 @@ from herdwick.actors.base import Actor, Tick
 from herdwick.actors.messages import Handed, NotifyDue, Ready, Reject, item
 from herdwick.clock import Clock, to_us
 from herdwick.errors import row_error
+from herdwick.ids import SHARD_COUNT
 from herdwick.storage import dispatch as store
 from herdwick.storage.db import Database
 from herdwick.storage.dispatch import DueKey, DueRow
@@ -72,6 +73,11 @@ _CLASS_MASK = (1 << _CLASS_BITS) - 1
 _KEY_MASK = ~(_CLASS_MASK << _JOB_BITS)
 
 Hand = Callable[[str, Ready], Awaitable[None]]  # (pool, work) to that pool's fair queue
+
+
+def load_phase(shard_id: int) -> float:
+    """When in each load interval a shard loads, as a share of it: (0, 1]."""
+    return (shard_id % SHARD_COUNT + 1) / SHARD_COUNT
 
 
 def entry(due_us: int, job_id_int: int, cls: int = 0) -> int:
@@ -121,6 +127,10 @@ class ShardActor(Actor):
 
     async def on_start(self) -> None:
         await self.load(self.clock.now())
+        # The next load comes sooner, by a share of the interval set by the shard's id, so
+        # a node's shards load spread over the interval, not all together every 2 s (that
+        # burst of loads was the steady lag's p99: 64 ms in the second of it, 23 between).
+        self._next_load_us -= int(LOAD_INTERVAL_S * 1e6 * (1 - load_phase(self.shard_id)))
 
     async def handle(self, msg: object | None) -> None:
         now = self.clock.now()

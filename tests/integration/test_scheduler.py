@@ -344,6 +344,25 @@ async def test_a_load_reads_again_only_what_falls_due_soon(api, clock, db) -> No
     assert [tenant for tenant, _ in ready.items] == [api.tenant_id]
 
 
+async def test_a_node_s_shards_load_spread_over_the_load_interval(clock, db) -> None:
+    """After its first load each shard loads again at its own point of the interval (set
+    by its id), then every LOAD_INTERVAL_S: a node's loads never come all at once."""
+    from herdwick.actors.base import Tick
+    from herdwick.actors.shard import LOAD_INTERVAL_S, ShardActor
+
+    shards = [ShardActor(shard_id, 1, db=db, hand=_HeldQueues().hand, reject=None,
+                         clock=clock) for shard_id in (0, 127, 255)]
+    for shard in shards:
+        await shard.on_start()
+    waits = [shard.idle_timeout() for shard in shards]
+    assert 0 < waits[0] < waits[1] < waits[2] == LOAD_INTERVAL_S
+    assert waits[0] < LOAD_INTERVAL_S / 100
+    assert abs(waits[1] - LOAD_INTERVAL_S / 2) < LOAD_INTERVAL_S / 100
+    clock.advance(waits[0])
+    await shards[0].handle(Tick())  # its second load: the next is a whole interval on
+    assert shards[0].idle_timeout() == LOAD_INTERVAL_S
+
+
 async def test_a_re_read_key_whose_job_is_gone_is_passed_over(api, clock, db) -> None:
     """A due row read again as a key alone, whose job no longer exists, has no tenant or
     pool to queue it by: the load goes on without it, as its first read (a join) did."""
