@@ -94,14 +94,22 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     """Pool release without asyncpg's reset query (advisory unlock, CLOSE ALL, UNLISTEN,
     RESET ALL): a second round trip per checkout, about 18 % of a single submit.
 
-    Safe because herdwick keeps no session state on pooled connections: its
+    Safe because herdwick keeps no session state on pooled connections but one
+    it means to keep (the scheduler's plan_cache_mode, set at connect): its
     advisory locks are transaction-level, migrations use their own connection,
-    and nothing LISTENs or SETs. asyncpg still rolls back an open transaction.
+    and nothing LISTENs. asyncpg still rolls back an open transaction.
     """
 
 
 async def _timed(conn: asyncpg.Connection) -> None:
     conn.add_query_logger(_observe)
+
+
+async def _generic_plans(conn: asyncpg.Connection) -> None:
+    """A SET once a connection opens, not a startup parameter: a pooler in front of
+    Postgres (PgBouncer) refuses startup parameters it does not know."""
+    await _timed(conn)
+    await conn.execute("SET plan_cache_mode = force_generic_plan")
 
 
 @functools.cache
@@ -181,9 +189,6 @@ class Database:
         generic plans Postgres spends a tenth less CPU per execution in a herd).
         Not for the gateway: its list filters (`$n IS NULL OR ...`) need a plan made
         for the arguments given."""
-        settings = {"timezone": "UTC", "application_name": "herdwick"}
-        if generic_plans:
-            settings["plan_cache_mode"] = "force_generic_plan"
         with translated():
             pool = await asyncpg.create_pool(
                 dsn,
@@ -191,9 +196,9 @@ class Database:
                 max_size=max_size,
                 command_timeout=command_timeout_s,
                 timeout=CONNECT_TIMEOUT_S,
-                server_settings=settings,
+                server_settings={"timezone": "UTC", "application_name": "herdwick"},
                 reset=_keep_session,
-                init=_timed,
+                init=_generic_plans if generic_plans else _timed,
                 connect=HostByHost(dsn) if len(host_dsns(dsn)) > 1 else None,
             )
         return cls(pool, replica=replica)
