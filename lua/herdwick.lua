@@ -57,7 +57,7 @@ the attempt started.)
              job_id, tenant_id and scheduled_for are '' when the hash is gone
 ]]
 
-local LIBRARY_VERSION = '16'
+local LIBRARY_VERSION = '17'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- A done, dead or canceled hash keeps only its attempt and state, for this long:
 -- a late republish of that attempt (a scheduler retrying a publish whose reply it
@@ -787,9 +787,9 @@ local function hw_settled(keys, args)
   for i = 1, #args do
     local hot = base .. ':x:' .. args[i]
     local state = redis.call('HGET', hot, 'state')
+    -- LT: only ever shorter (one command where PTTL and PEXPIRE were two an execution)
     if (state == 'done' or state == 'dead' or state == 'canceled')
-        and redis.call('PTTL', hot) > SETTLED_TTL_MS then
-      redis.call('PEXPIRE', hot, SETTLED_TTL_MS)
+        and redis.call('PEXPIRE', hot, SETTLED_TTL_MS, 'LT') == 1 then
       shortened = shortened + 1
     end
   end
