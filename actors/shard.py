@@ -77,7 +77,7 @@ Hand = Callable[[str, Ready], Awaitable[None]]  # (pool, work) to that pool's fa
 
 def load_phase(shard_id: int) -> float:
     """When in each load interval a shard loads, as a share of it: (0, 1]."""
-    return (shard_id % SHARD_COUNT + 1) / SHARD_COUNT
+    return (shard_id + 1) / SHARD_COUNT
 
 
 def entry(due_us: int, job_id_int: int, cls: int = 0) -> int:
@@ -126,11 +126,12 @@ class ShardActor(Actor):
         return min(max(0.0, (wake_us - now_us) / 1e6), LOAD_INTERVAL_S)
 
     async def on_start(self) -> None:
-        await self.load(self.clock.now())
-        # The next load comes sooner, by a share of the interval set by the shard's id, so
-        # a node's shards load spread over the interval, not all together every 2 s (that
-        # burst of loads was the steady lag's p99: 64 ms in the second of it, 23 between).
-        self._next_load_us -= int(LOAD_INTERVAL_S * 1e6 * (1 - load_phase(self.shard_id)))
+        now = self.clock.now()
+        await self.load(now)
+        # The next load comes at the shard's own share of the interval, so a node's shards
+        # load spread over it, not all together every 2 s (that burst of loads was the
+        # steady lag's p99: 64 ms in the second of it, 23 between).
+        self._next_load_us = to_us(now) + int(LOAD_INTERVAL_S * 1e6 * load_phase(self.shard_id))
 
     async def handle(self, msg: object | None) -> None:
         now = self.clock.now()
@@ -180,7 +181,7 @@ class ShardActor(Actor):
                         if h.pending(now_us, HANDED_TTL_S)}
         added = 0
         bad: list[DueRow] = []
-        unknown: list[DueRow] = []  # re-read as keys, not held: their jobs are looked up
+        unknown: list[tuple[int, int, DueRow]] = []  # (due, job, row): keys not held
         for row in rows:
             if row.next_run_at.tzinfo is None:  # asyncpg's -infinity: no time to run it at
                 bad.append(row)
@@ -190,14 +191,14 @@ class ShardActor(Actor):
             if key in self._members or key in self._recent or key in self._handed:
                 continue
             if not row.tenant_id:
-                unknown.append(row)
+                unknown.append((due_us, job, row))
             elif self._push(entry(due_us, job, self._class(row.tenant_id, row.pool))):
                 added += 1
         if unknown:  # a job gone since has no class, and no row to dispatch either
-            classes = await store.job_classes(self._db, [r.job_id for r in unknown])
-            for row in unknown:
+            classes = await store.job_classes(self._db, [row.job_id for _, _, row in unknown])
+            for due_us, job, row in unknown:
                 if (found := classes.get(row.job_id)) is not None and self._push(
-                        entry(to_us(row.next_run_at), row.job_id.int, self._class(*found))):
+                        entry(due_us, job, self._class(*found))):
                     added += 1
         self._next_load_us = to_us(now) + int(LOAD_INTERVAL_S * 1e6)
         self._load_due_since_us = None
