@@ -135,10 +135,13 @@ class Actor:
         timeout = self.idle_timeout()
         if timeout is None:
             return await self.mailbox.get()
-        if timeout <= 0:
+        if timeout <= 0 or not self.mailbox.empty():
             return self._take_nowait()
+        # asyncio.timeout, not wait_for: 3.11's wait_for wraps the get in a Task of its
+        # own each time, and every shard waits with a timeout, many times a second.
         try:
-            return await asyncio.wait_for(self.mailbox.get(), timeout)
+            async with asyncio.timeout(timeout):
+                return await self.mailbox.get()
         except TimeoutError:
             return None
 
