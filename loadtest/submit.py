@@ -85,6 +85,7 @@ REQUEST_TIMEOUT_S = 30.0
 API_START_TIMEOUT_S = 30.0
 API_STOP_TIMEOUT_S = 10.0
 CLEANUP_CLIENTS = 16  # concurrent DELETEs after a run with --url
+PREFILL_BATCH = 1000  # jobs a statement when filling the scratch database first
 CLEANUP_PASSES = 3  # deletes that failed transiently (5xx, 429, no answer) are retried
 CLEANUP_RETRY_PAUSE_S = 0.5  # between passes, jittered
 DELETE_TIMEOUT_S = 10.0
@@ -107,6 +108,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     duration_s: Annotated[float, Meta(gt=0, le=3600)] = 10.0
     warmup_s: Annotated[float, Meta(ge=0, le=600)] = 2.0
     phases: tuple[Phase, ...] = PHASES
+    # Jobs in the scratch database before the first phase: what a submit pays can depend
+    # on what its tenant already holds (the herd check's count, indexes past memory).
+    prefill: Annotated[int, Meta(ge=0, le=10_000_000)] = 0
 
     @property
     def raw_connections(self) -> int:
@@ -181,6 +185,7 @@ class DatabaseCheck(msgspec.Struct, frozen=True, kw_only=True):
     jobs_found: int
     due_rows_found: int
     consistent: bool
+    jobs_prefilled: int = 0  # there before the first phase (--prefill)
 
 
 class Cleanup(msgspec.Struct, frozen=True, kw_only=True):
@@ -524,6 +529,23 @@ async def _insert(db: Database, tenant_id: uuid.UUID, jobs: list[NewJob]) -> str
     return OK
 
 
+async def prefill(db: Database, tenant_id: uuid.UUID, bodies: list[dict], count: int,
+                  concurrency: int) -> None:
+    """`count` of the tenant's jobs, due over the same hour as the phases', through the
+    same statement in batches of PREFILL_BATCH; raises if Postgres refuses one."""
+    maker = JobMaker(bodies)
+    sizes = iter([min(PREFILL_BATCH, count - i) for i in range(0, count, PREFILL_BATCH)])
+
+    async def insert_some() -> None:
+        for size in sizes:  # one iterator: each batch goes to one of the tasks
+            jobs = maker.make(size)
+            now = datetime.now(UTC)
+            await store.insert_jobs(db, tenant_id, jobs, now=now,
+                                    herd=herd_check(jobs, now, DEFAULT_HERD_WARN_JOBS))
+
+    await asyncio.gather(*(insert_some() for _ in range(concurrency)))
+
+
 async def raw_phases(plan: Plan, db: Database, tenant_id: uuid.UUID, bodies: list[dict],
                      probe: CpuProbe, progress: Progress) -> list[PhaseResult]:
     """`db` needs a pool of at least plan.raw_connections connections."""
@@ -741,6 +763,9 @@ async def run(options: Options, progress: Progress) -> Report:
                                     max_size=max(plan.raw_connections, plan.batch_clients))
         try:
             tenant = await create_tenant(db, TenantSpec(name="loadtest"), started)
+            if plan.prefill:
+                progress.say(f"prefilling the scratch database with {plan.prefill} jobs")
+                await prefill(db, tenant.tenant_id, bodies, plan.prefill, plan.batch_clients)
             async with ledger_of as ledger:
                 phases = await _http_side(options, dsn, tenant.api_key, bodies, ledger,
                                           progress)
@@ -752,9 +777,10 @@ async def run(options: Options, progress: Progress) -> Report:
     # With --url only the raw phases wrote to the scratch database.
     ours = [p for p in phases if options.url is None or p.name.startswith("raw-")]
     expected = sum(p.jobs_created for p in ours)
-    database = None if not ours and options.url is not None else DatabaseCheck(
-        jobs_expected=expected, jobs_found=jobs, due_rows_found=due,
-        consistent=jobs == due == expected)
+    database = None if not ours and options.url is not None and not plan.prefill \
+        else DatabaseCheck(jobs_expected=expected, jobs_found=jobs, due_rows_found=due,
+                           consistent=jobs == due == expected + plan.prefill,
+                           jobs_prefilled=plan.prefill)
     order = {name: i for i, name in enumerate(PHASES)}
     phases.sort(key=lambda p: order[p.name])
     return Report(started_at=started, plan=plan,
@@ -781,6 +807,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="measured seconds per phase; default 10")
     a("--warmup", type=float, metavar="S",
       help="warm-up seconds before each phase is measured; default 2")
+    a("--prefill", type=int, metavar="JOBS",
+      help="jobs put into the scratch database before the first phase (the tenant's, due "
+           "over the same hour, 1,000 a statement), so the phases submit into a table that "
+           "size; default 0")
     a("--phases", metavar="LIST",
       help="comma-separated subset of http-single,raw-single,http-batch,raw-batch; "
            "default all")
@@ -806,6 +836,7 @@ def options_from(args: argparse.Namespace) -> Options:
         "batch_clients": args.batch_clients,
         "batch_size": args.batch_size, "duration_s": args.duration, "warmup_s": args.warmup,
         "phases": tuple(p.strip() for p in args.phases.split(",")) if args.phases else None,
+        "prefill": args.prefill,
     }.items() if v is not None}
     raw = {"plan": plan, "api_processes": args.api_processes, "url": args.url,
            "api_key": args.api_key, "keep": args.keep,
@@ -832,7 +863,9 @@ def render_text(report: Report) -> str:
         lines.append("(that PostgreSQL is --database-url's, where the raw phases ran; the "
                      "target API's processes and database were not inspected)")
     lines += [
-        f"each phase: {report.plan.warmup_s:g} s warm-up, {report.plan.duration_s:g} s measured",
+        f"each phase: {report.plan.warmup_s:g} s warm-up, {report.plan.duration_s:g} s measured"
+        + (f"; {report.plan.prefill} jobs in the scratch database before the first"
+           if report.plan.prefill else ""),
         "",
         f"{'phase':<11} {'conc':>4} {'jobs/req':>8} {'req/s':>9} {'jobs/s':>9} {'p50 ms':>8} "
         f"{'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}  errors",
@@ -868,9 +901,10 @@ def render_text(report: Report) -> str:
 
 def _database_lines(report: Report) -> list[str]:
     d, c = report.database, report.cleanup
+    before = f" and {d.jobs_prefilled} were there before" if d and d.jobs_prefilled else ""
     check = [] if d is None else [
         f"{d.jobs_found} jobs, {d.due_rows_found} due rows; the "
-        f"{'phases' if c is None else 'raw phases'} reported {d.jobs_expected}: "
+        f"{'phases' if c is None else 'raw phases'} reported {d.jobs_expected}{before}: "
         f"{'consistent' if d.consistent else 'MISMATCH'}"]
     if c is None:
         return [f"database: {check[0]}"]

@@ -34,6 +34,7 @@ from herdwick.loadtest.submit import (
     URL_DUE_AFTER_S,
     CpuProbe,
     HttpTarget,
+    Options,
     PhaseResult,
     Plan,
     Progress,
@@ -43,7 +44,9 @@ from herdwick.loadtest.submit import (
     latency_of,
     ratios,
     raw_phases,
+    render_text,
     require_loopback,
+    run,
 )
 from tests.integration.conftest import Api
 from tests.integration.gateway_client import ADMIN_TOKEN
@@ -314,3 +317,21 @@ def test_latency_percentiles_are_nearest_rank() -> None:
     assert (lat.samples, lat.p50_ms, lat.p95_ms, lat.p99_ms, lat.max_ms) == pytest.approx(
         (100, 50, 95, 99, 100))
     assert latency_of([]).samples == 0
+
+
+async def test_prefill_puts_the_tenant_s_jobs_there_before_the_first_phase(services) -> None:
+    """`--prefill N`: the phases submit into a table that already holds N of the tenant's
+    jobs; the database check counts them apart from the phases'."""
+    plan = msgspec.structs.replace(TINY, phases=("raw-single",), prefill=2_500)
+    options = Options(plan=plan, database_url=services.admin_dsn,
+                      redis_url=services.redis_url)
+    out = io.StringIO()
+    report = await run(options, Progress(out, "submit", bar=False))
+    [phase] = report.phases
+    assert report.database is not None and report.database.consistent
+    assert report.database.jobs_prefilled == 2_500
+    assert report.database.jobs_found == 2_500 + phase.jobs_created
+    assert "prefilling the scratch database with 2500 jobs" in out.getvalue()
+    text = render_text(report)
+    assert "2500 jobs in the scratch database before the first" in text
+    assert f"the phases reported {phase.jobs_created} and 2500 were there before" in text
