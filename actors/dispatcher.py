@@ -135,7 +135,7 @@ def _plan_cron(out: Plan, row: Claimed, schedule: Schedule, now: datetime) -> No
         out.replace.append((row.job_id, to_run[-1]))
     out.job_next.append((row.job_id, nxt))
     if nxt is not None and (schedule.overlap != "forbid" or row.dry_run):
-        out.next_due.append(NextDue(row.shard_id, nxt, row.job_id))
+        out.next_due.append(NextDue(row.shard_id, nxt, row.job_id, row.tenant_id))
 
 
 def ready_executions(result: store.Dispatched) -> dict[str, Publish]:

@@ -1,17 +1,18 @@
 """The spiky-schedule warning: the seconds in which a submission joins a herd of the tenant's jobs.
 
 A 201 carries a warning when, in one second, the request's jobs and the
-tenant's active jobs already due then reach HERDWICK_HERD_WARN_JOBS. The
+tenant's occurrences already waiting then reach HERDWICK_HERD_WARN_JOBS. The
 seconds checked are the request's busiest (by its jobs' first due times) and
 the later fires within a day of its cron jobs without jitter, at most
 HERD_SECONDS_MAX in all, counted in one statement inside the insert
 (storage/queries/jobs.sql insert_jobs), so no request can make the check
 expensive.
 
-The tenant's side counts each job's next due time only (jobs.next_run_at,
-the one fire due_index holds too): a cron job counts in the second it fires
-next, not in the ones after, so a herd that existing cron jobs form later
-in the day shows once they get there, not at this submit.
+The tenant's side counts the occurrences waiting in due_index, each job's
+next one only: a cron job counts in the second it fires next, not in the ones
+after, so a herd that existing cron jobs form later in the day shows once they
+get there, not at this submit. (due_index, not jobs: its narrow rows stay in
+memory, and the count visits each one's page until a vacuum marks it visible.)
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ class NextDue(msgspec.Struct, frozen=True):
     shard_id: int
     next_run_at: datetime
     job_id: uuid.UUID
+    tenant_id: uuid.UUID | None = None  # the job's: the herd check counts the row for it
 
 
 class Retry(msgspec.Struct, frozen=True):
@@ -241,4 +242,5 @@ def _finish_args(plan: Plan) -> tuple[list, ...]:
         [j for j, _ in jn], [t for _, t in jn],
         [r.execution_id for r in rt], [r.scheduled_for for r in rt], [r.attempt for r in rt],
         [r.shard_id for r in rt], [r.next_run_at for r in rt], [r.job_id for r in rt],
+        [n.tenant_id for n in nd],
     )

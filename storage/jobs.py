@@ -333,7 +333,8 @@ async def _transition_once(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID
                                job_id, tenant_id, list(change.skipped), now)
         if change.add_due is not None:
             shard_id, when = change.add_due
-            await conn.execute(q("insert_due"), shard_id, due_minute(when), when, job_id)
+            await conn.execute(q("insert_due"), shard_id, due_minute(when), when, job_id,
+                               tenant_id)
             due.append((shard_id, job_id, when))
         updated = await conn.fetchrow(q("set_job_state"), tenant_id, job_id, change.state,
                                       change.next_run_at, now)
@@ -381,7 +382,7 @@ async def _update_once(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID, ve
                               and _schedule_decoder.decode(row["schedule"]).cron is not None)
             if row["state"] == "active" and not forbid_running:
                 await conn.execute(q("insert_due"), new.shard_id, due_minute(new.next_run_at),
-                                   new.next_run_at, job_id)
+                                   new.next_run_at, job_id, tenant_id)
                 due.append((new.shard_id, job_id, new.next_run_at))
         updated = await conn.fetchrow(
             q("update_job"), tenant_id, job_id, new.name, new.target_type, new.target_ref,

@@ -94,8 +94,9 @@ WITH new_exec AS (
     WHERE x.state = 'dry_run' AND j.job_id = x.job_id AND j.next_run_at = x.scheduled_for
       AND j.state = 'active' AND j.schedule->>'cron' IS NULL
 ), next_due AS (
-    INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)
-    SELECT * FROM unnest($7::smallint[], $8::timestamptz[], $9::timestamptz[], $10::uuid[])
+    INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, tenant_id)
+    SELECT * FROM unnest($7::smallint[], $8::timestamptz[], $9::timestamptz[], $10::uuid[],
+                         $19::uuid[])
     ON CONFLICT DO NOTHING
 ), job_next AS (
     UPDATE jobs j SET next_run_at = n.next_run_at, updated_at = coalesce($1, now())

@@ -115,11 +115,16 @@ SELECT (SELECT count(*) FROM moved) AS changed,
 SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; SET LOCAL enable_seqscan = off;
 
 -- name: insert_retry_due
--- A failed attempt with retries left comes back through the due index.
+-- An execution's next attempt (a replay, a trigger) comes back through the due index;
+-- so does a forbid-overlap job's next occurrence (no execution), with its tenant, whom
+-- the herd check counts it for.
 INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id, scheduled_for,
-                       attempt)
-SELECT * FROM unnest($1::smallint[], $2::timestamptz[], $3::timestamptz[], $4::uuid[],
-                     $5::uuid[], $6::timestamptz[], $7::integer[])
+                       attempt, tenant_id)
+SELECT u.*, CASE WHEN u.execution_id IS NULL
+                 THEN (SELECT j.tenant_id FROM jobs j WHERE j.job_id = u.job_id) END
+FROM unnest($1::smallint[], $2::timestamptz[], $3::timestamptz[], $4::uuid[],
+            $5::uuid[], $6::timestamptz[], $7::integer[])
+     AS u(shard_id, due_minute, next_run_at, job_id, execution_id, scheduled_for, attempt)
 ON CONFLICT DO NOTHING;
 
 -- name: forbid_successors

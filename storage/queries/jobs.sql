@@ -7,18 +7,18 @@
 -- a tenant): each herd second belongs to a request ($28, its index), and each
 -- request's herd check is its own.
 -- The herd check: for each second of $20 (the request's own jobs due in it are
--- $21), the tenant's active jobs already due then, counted by the
--- jobs_tenant_due index only as far as reaching $22 needs. Per request, the
+-- $21), the tenant's occurrences already due then, counted by the
+-- due_index_tenant_due index only as far as reaching $22 needs. Per request, the
 -- second with the most and that most (herd_requests, herd_seconds, herd_totals).
--- jobs.next_run_at is each job's next due time only: later cron fires are not in
+-- The due index holds each job's next occurrence only: later cron fires are not in
 -- it. With a key (one request) and its total reaching $22, the stored response is
 -- $24 (the one with the herd warning) with that second's label from $23 written at
 -- byte $25, else $4.
 WITH herd AS (
     SELECT DISTINCT ON (c.request) c.request, c.second, c.label, c.in_request + (
                SELECT count(*) FROM (
-                   SELECT 1 FROM jobs
-                   WHERE tenant_id = $1 AND state = 'active'
+                   SELECT 1 FROM due_index
+                   WHERE tenant_id = $1 AND execution_id IS NULL
                      AND next_run_at >= c.second AND next_run_at < c.second + interval '1 second'
                    LIMIT greatest($22 - c.in_request, 0)) s) AS total
     FROM unnest($20::timestamptz[], $21::integer[], $23::text[], $28::integer[])
@@ -54,8 +54,8 @@ WITH herd AS (
     WHERE (SELECT ok FROM go)
     RETURNING 1
 ), new_due AS (
-    INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)
-    SELECT d.shard_id, d.due_minute, d.next_run_at, d.job_id
+    INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, tenant_id)
+    SELECT d.shard_id, d.due_minute, d.next_run_at, d.job_id, $1
     FROM unnest($18::smallint[], $19::timestamptz[], $17::timestamptz[], $7::uuid[])
          AS d(shard_id, due_minute, next_run_at, job_id)
     WHERE (SELECT ok FROM go)
@@ -147,8 +147,8 @@ WHERE job_id = $1 AND due_minute = 'infinity'
 RETURNING shard_id, next_run_at;
 
 -- name: insert_due
-INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)
-VALUES ($1, $2, $3, $4)
+INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, tenant_id)
+VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT DO NOTHING;
 
 -- name: insert_skipped

@@ -431,9 +431,10 @@ async def test_overlap_forbid_waits_for_the_running_occurrence(api, schedulers, 
     await protocol.complete(POOL, first["execution_id"], 1, "w", "{}")
     await node.settle_events()
     async with db.connection() as conn:
-        nxt = await conn.fetchval("SELECT next_run_at FROM due_index WHERE job_id = $1",
-                                  uuid.UUID(job["jobId"]))
+        nxt, tenant = await conn.fetchrow("SELECT next_run_at, tenant_id FROM due_index "
+                                          "WHERE job_id = $1", uuid.UUID(job["jobId"]))
     assert nxt is not None and nxt > clock.now()
+    assert str(tenant) == api.tenant_id  # the herd check counts the successor for its tenant
     await due_and_published(node, clock, 61)
     assert len(await ready(redis_client, key_prefix)) == 2
 

@@ -7,6 +7,7 @@ costs a handful of rows. T0 is 2026-12-02 12:00:00 UTC.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -69,6 +70,53 @@ async def test_a_request_adds_to_the_second_an_earlier_one_filled(api: Api) -> N
     assert await one(ONE_PM) == []  # the fourth
     assert await one(ONE_PM + timedelta(seconds=0.5)) == [warning(ONE_PM)]  # the fifth
     assert await one(ONE_PM + timedelta(seconds=1)) == []
+
+
+async def single(api: Api, when: datetime) -> list[str]:
+    resp = await api.submit(make_job(schedule={"runAt": rfc3339(when)}))
+    assert resp.status == 201, await resp.text()
+    return (await resp.json())["warnings"]
+
+
+async def test_a_paused_job_leaves_the_count_until_it_is_resumed(api: Api) -> None:
+    """The tenant's side counts the occurrences waiting in the due index: a pause takes
+    its job's out, a resume puts it back (with its tenant, whom it counts for)."""
+    two_pm = ONE_PM + timedelta(hours=1)
+    herd = (await batch(api, one_offs(4, two_pm)))["items"]
+    await api.client.post(f"/v1/jobs/{herd[0]['jobId']}:pause", headers=api.auth())
+    assert await single(api, two_pm) == []  # three waiting and this one
+
+    first = (await batch(api, one_offs(2, ONE_PM)))["items"]
+    await api.client.post(f"/v1/jobs/{first[0]['jobId']}:pause", headers=api.auth())
+    assert (await batch(api, one_offs(2, ONE_PM)))["warnings"] == []
+    resumed = await api.client.post(f"/v1/jobs/{first[0]['jobId']}:resume", headers=api.auth())
+    assert resumed.status == 200, await resumed.text()
+    assert await single(api, ONE_PM) == [warning(ONE_PM)]  # four waiting and this one
+
+
+async def test_a_job_moved_by_a_patch_counts_in_its_new_second(api: Api) -> None:
+    await batch(api, one_offs(3, ONE_PM))
+    moved = (await batch(api, one_offs(1, ONE_PM + timedelta(hours=2))))["items"][0]
+    resp = await api.client.patch(
+        f"/v1/jobs/{moved['jobId']}", data=json.dumps({"schedule": {"runAt": rfc3339(ONE_PM)}}),
+        headers={**api.auth(), "Content-Type": "application/merge-patch+json",
+                 "If-Match": '"1"'})
+    assert resp.status == 200, await resp.text()
+    assert await single(api, ONE_PM) == [warning(ONE_PM)]
+
+
+async def test_a_cron_job_s_next_fire_counts_once_dispatched(api: Api, schedulers,
+                                                              clock) -> None:
+    """Dispatch writes a cron job's next occurrence into the due index with its tenant."""
+    ten_past = T0 + timedelta(minutes=10)
+    resp = await api.submit(make_job(schedule={"cron": "*/10 * * * *", "overlap": "allow"}))
+    assert (await resp.json())["nextRunAt"] == rfc3339(ten_past)
+    node = await schedulers()
+    await advance(clock, 11 * 60, node)  # its 12:10 fire dispatched; 12:20 waits
+    await node.settle()
+    twenty_past = ten_past + timedelta(minutes=10)
+    assert (await batch(api, one_offs(3, twenty_past)))["warnings"] == []
+    assert await single(api, twenty_past) == [warning(twenty_past)]  # the cron fire, 3, this
 
 
 async def test_a_batch_warns_for_a_second_other_than_its_busiest(api: Api) -> None:

@@ -171,3 +171,39 @@ async def test_infinite_due_times_of_earlier_releases_become_due_at_once(empty_d
         await conn.close()
     assert tuple(due) == ("1970-01-01 00:00:00+00", "1970-01-01 00:00:00+00")
     assert next_run == "1970-01-01 00:00:00+00"
+
+
+async def test_pending_occurrences_take_their_tenant_for_the_herd_count(empty_db: str) -> None:
+    """0010: the herd warning counts due_index rows by tenant; the rows an earlier release
+    wrote get their job's tenant, a retry's row (an execution's) none."""
+    *earlier, last = migrate.available()
+    assert last.name == "herd_count_on_due_index"
+    conn = await asyncpg.connect(empty_db)
+    try:
+        await conn.execute(q("migrations_table"))
+        for m in earlier:
+            await conn.execute(m.path.read_text())
+            await conn.execute(q("migrations_record"), m.version, m.name)
+        tenant, job = uuid.uuid4(), uuid.uuid4()
+        await conn.execute("INSERT INTO tenants (tenant_id, name, signing_secret) "
+                           "VALUES ($1, 't', 's')", tenant)
+        await conn.execute(
+            "INSERT INTO jobs (job_id, tenant_id, name, target_type, target_ref, pool, payload, "
+            "schedule, max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, "
+            "updated_at) VALUES ($1, $2, 'j', 'queue', 'q', 'q', 'null', '{}', 3, 1, 1, "
+            "'active', '2031-05-03 12:00', now(), now())", job, tenant)
+        await conn.execute("INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id) "
+                           "VALUES (3, '2031-05-03 12:00', '2031-05-03 12:00', $1)", job)
+        await conn.execute(
+            "INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id, "
+            "scheduled_for, attempt) VALUES (3, '2031-05-03 11:01', '2031-05-03 11:01:30', $1, "
+            "$2, '2031-05-03 11:00', 2)", job, uuid.uuid4())
+        assert [m.version for m in await migrate.apply(empty_db)] == [last.version]
+        rows = await conn.fetch("SELECT execution_id IS NULL AS occurrence, tenant_id "
+                                "FROM due_index ORDER BY next_run_at")
+        indexes = {r["indexname"] for r in await conn.fetch(
+            "SELECT indexname FROM pg_indexes WHERE tablename IN ('jobs', 'due_index')")}
+    finally:
+        await conn.close()
+    assert [tuple(r) for r in rows] == [(False, None), (True, tenant)]
+    assert "due_index_tenant_due" in indexes and "jobs_tenant_due" not in indexes
