@@ -15,6 +15,7 @@ from tqdm import tqdm
 from herdwick.loadtest.measure import Lag, RedisMemory
 
 PROGRESS_EVERY_S = 0.5
+DUE_TICK_LATE_S = 0.005  # the tick at the due time comes just after it
 MB = 1024 * 1024
 
 # tqdm's monitor thread wakes every 10 s to fix bars that stopped refreshing; ours is
@@ -103,10 +104,19 @@ class Progress:
         """Ticks until cancelled, then clears the bar (before the report is printed)."""
         try:
             while True:
-                await asyncio.sleep(PROGRESS_EVERY_S)
+                await asyncio.sleep(self.next_tick_in())
                 self.tick()
         finally:
             self.close()
+
+    def next_tick_in(self) -> float:
+        """PROGRESS_EVERY_S, or less to draw the bar as the due time passes: its label turns
+        from waiting to the phase then, however soon after it the phase ends."""
+        if self._due_at is not None and self._bar is not None:
+            until_due = self._due_at - time.time()
+            if 0 < until_due < PROGRESS_EVERY_S:
+                return until_due + DUE_TICK_LATE_S
+        return PROGRESS_EVERY_S
 
     @classmethod
     def of_args(cls, args: argparse.Namespace, label: str) -> Progress:

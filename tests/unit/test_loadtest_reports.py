@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import re
+import time
 from datetime import UTC, datetime
 
 import msgspec
@@ -14,7 +15,12 @@ import pytest
 from herdwick.config import ConfigError
 from herdwick.loadtest import html_report
 from herdwick.loadtest.plot import Line, line_chart, nice_step, short
-from herdwick.loadtest.report import Progress, add_report_flags
+from herdwick.loadtest.report import (
+    DUE_TICK_LATE_S,
+    PROGRESS_EVERY_S,
+    Progress,
+    add_report_flags,
+)
 from herdwick.loadtest.timeline import Second, Series, Timeline, per_second
 from tests.integration.report_checks import (
     assert_plots_match,
@@ -225,3 +231,17 @@ def test_the_flags_force_the_bar_on_or_off() -> None:
     assert parse_flags("--progress").progress is True
     assert parse_flags("--no-progress").progress is False
     assert parse_flags("--report", "r.html").report == "r.html"
+
+
+def test_the_bar_is_drawn_as_the_due_time_passes_not_only_every_half_second() -> None:
+    """A herd can drain within one tick of its due time: the tick then comes at the due
+    time, so the bar shows the phase (`draining`) and not only `waiting for due`."""
+    progress = Progress(io.StringIO(), "e2e", bar=True)
+    assert progress.next_tick_in() == PROGRESS_EVERY_S  # nothing due
+    progress.set("draining", due_at=time.time() + 0.2)
+    assert 0.15 < progress.next_tick_in() <= 0.2 + DUE_TICK_LATE_S
+    progress.set("draining", due_at=time.time() + 5)  # far off: the usual tick
+    assert progress.next_tick_in() == PROGRESS_EVERY_S
+    progress.set("draining", due_at=time.time() - 1)  # passed: the usual tick
+    assert progress.next_tick_in() == PROGRESS_EVERY_S
+    progress.close()
