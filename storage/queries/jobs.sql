@@ -10,19 +10,28 @@
 -- $21), the tenant's occurrences already due then, counted by the
 -- due_index_tenant_due index only as far as reaching $22 needs. Per request, the
 -- second with the most and that most (herd_requests, herd_seconds, herd_totals).
+-- Each second is counted once, however many requests check it (coalesced submits
+-- building a herd all name its second): as far as the request with the fewest jobs
+-- in it needs, and each request takes as much of that count as it would have counted.
 -- The due index holds each job's next occurrence only: later cron fires are not in
 -- it. With a key (one request) and its total reaching $22, the stored response is
 -- $24 (the one with the herd warning) with that second's label from $23 written at
 -- byte $25, else $4.
-WITH herd AS (
-    SELECT DISTINCT ON (c.request) c.request, c.second, c.label, c.in_request + (
+WITH checks AS (
+    SELECT * FROM unnest($20::timestamptz[], $21::integer[], $23::text[], $28::integer[])
+                  AS c(second, in_request, label, request)
+), counted AS MATERIALIZED (  -- not inlined: a join must not count again for each request
+    SELECT s.second, (
                SELECT count(*) FROM (
                    SELECT 1 FROM due_index
                    WHERE tenant_id = $1 AND execution_id IS NULL
-                     AND next_run_at >= c.second AND next_run_at < c.second + interval '1 second'
-                   LIMIT greatest($22 - c.in_request, 0)) s) AS total
-    FROM unnest($20::timestamptz[], $21::integer[], $23::text[], $28::integer[])
-         AS c(second, in_request, label, request)
+                     AND next_run_at >= s.second AND next_run_at < s.second + interval '1 second'
+                   LIMIT greatest($22 - s.fewest, 0)) x) AS waiting
+    FROM (SELECT second, min(in_request) AS fewest FROM checks GROUP BY second) s
+), herd AS (
+    SELECT DISTINCT ON (c.request) c.request, c.second, c.label,
+           c.in_request + least(n.waiting, greatest($22 - c.in_request, 0)) AS total
+    FROM checks c JOIN counted n ON n.second = c.second
     ORDER BY c.request, total DESC, c.second
 ), idem AS (
     INSERT INTO idempotency_keys AS k

@@ -13,7 +13,7 @@ from herdwick.gateway.coalesce import Coalescer
 from herdwick.gateway.herd import herd_check
 from herdwick.gateway.submit import prepare
 from herdwick.model import JobSpec, Schedule, Target, TenantSpec
-from herdwick.storage.jobs import NewJob, Submission, insert_jobs
+from herdwick.storage.jobs import NewJob, Submission, insert_jobs, insert_submissions
 from herdwick.storage.tenants import create_tenant
 from tests.integration.conftest import Api, make_job
 
@@ -67,6 +67,24 @@ async def test_each_request_s_herd_warning_is_its_own(db) -> None:
     assert coalescer.statements == 1  # the three in one statement, each judged alone
     assert (herd.herd_second, herd.herd_total) == (busy, LIMIT)
     assert calm.herd_total == 1 and calm.herd_second == busy + timedelta(minutes=7)
+
+
+async def test_requests_checking_one_second_each_get_the_count_they_would_alone(db) -> None:
+    """The statement counts a second once for every request that checks it; each request
+    still gets its own total: its jobs there, plus the waiting ones up to the limit."""
+    tenant_id = await tenant(db)
+    busy = NOW + timedelta(hours=1)
+    await insert_jobs(db, tenant_id, [job_at(busy) for _ in range(LIMIT - 2)], now=NOW)
+    requests = [[job_at(busy) for _ in range(n)] for n in (1, 2, 4, 7)]
+    outcomes = await insert_submissions(
+        db, tenant_id, [Submission(jobs, herd_check(jobs, NOW, LIMIT)) for jobs in requests],
+        now=NOW)
+    # 3 waiting: 1 + 3; 2 + 3; 4 + up to 1 (the limit); 7 counts none, it is past it alone.
+    assert [(o.herd_second, o.herd_total) for o in outcomes] == [
+        (busy, 4), (busy, LIMIT), (busy, LIMIT), (busy, 7)]
+    alone = await insert_jobs(db, tenant_id, [job_at(busy)], now=NOW,
+                              herd=herd_check([job_at(busy)], NOW, LIMIT))
+    assert (alone.herd_second, alone.herd_total) == (busy, LIMIT)  # 17 waiting now
 
 
 async def test_over_the_quota_together_each_request_gets_its_own_answer(db) -> None:
