@@ -52,6 +52,7 @@ import aiohttp
 import msgspec
 from msgspec import Meta
 
+from herdwick import schedule as sched
 from herdwick.config import DEFAULT_HERD_WARN_JOBS, ConfigError
 from herdwick.errors import HerdwickError
 from herdwick.gateway.herd import herd_check
@@ -86,6 +87,7 @@ API_START_TIMEOUT_S = 30.0
 API_STOP_TIMEOUT_S = 10.0
 CLEANUP_CLIENTS = 16  # concurrent DELETEs after a run with --url
 PREFILL_BATCH = 1000  # jobs a statement when filling the scratch database first
+ONE_SECOND_AFTER_S = 3600  # --one-second: the second they are all due in, after the start
 CLEANUP_PASSES = 3  # deletes that failed transiently (5xx, 429, no answer) are retried
 CLEANUP_RETRY_PAUSE_S = 0.5  # between passes, jittered
 DELETE_TIMEOUT_S = 10.0
@@ -111,6 +113,8 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     # Jobs in the scratch database before the first phase: what a submit pays can depend
     # on what its tenant already holds (the herd check's count, indexes past memory).
     prefill: Annotated[int, Meta(ge=0, le=10_000_000)] = 0
+    # Every job due in one second (a herd built by submits) instead of over an hour.
+    one_second: bool = False
 
     @property
     def raw_connections(self) -> int:
@@ -340,16 +344,22 @@ async def run_phase(name: Phase, concurrency: int, jobs_per_request: int, send: 
 
 
 def job_bodies(count: int, seed: int = 2, *, name: str = "loadtest",
-               due_after_s: int = 0) -> list[dict]:
+               due_after_s: int = 0, at: datetime | None = None) -> list[dict]:
     """Small, realistic queue jobs named `<name>-<i>`, due at times spread over an hour
-    (beyond `due_after_s`)."""
+    (beyond `due_after_s`), or all at `at`."""
     rng = random.Random(seed)
     queues = ("emails", "reports", "billing", "thumbnails")
+
+    def schedule() -> dict:
+        if at is not None:
+            return {"runAt": sched.format_utc(at)}
+        return {"delaySeconds": due_after_s + rng.randrange(60, DELAY_SPREAD_S)}
+
     return [{"name": f"{name}-{i}",
              "target": {"type": "queue", "ref": queues[i % len(queues)]},
              "payload": {"user": f"user{rng.randrange(10**6)}@example.com",
                          "template": "welcome", "attempt": 1, "tags": ["a", "b"]},
-             "schedule": {"delaySeconds": due_after_s + rng.randrange(60, DELAY_SPREAD_S)}}
+             "schedule": schedule()}
             for i in range(count)]
 
 
@@ -371,7 +381,9 @@ class JobMaker:
         now = datetime.now(UTC)
         specs = [msgspec.json.decode(msgspec.json.encode(b), type=JobSpec) for b in bodies]
         self._next = itertools.cycle(
-            [(prepare(s, now=now, allow=()).job, timedelta(seconds=s.schedule.delay_seconds))
+            [(prepare(s, now=now, allow=()).job,
+              None if s.schedule.delay_seconds is None
+              else timedelta(seconds=s.schedule.delay_seconds))
              for s in specs]).__next__
 
     def make(self, count: int) -> list[NewJob]:
@@ -381,8 +393,9 @@ class JobMaker:
     def _fresh(self, now: datetime) -> NewJob:
         template, delay = self._next()
         job_id = uuid7(now)
-        return msgspec.structs.replace(template, job_id=job_id, shard_id=shard_of(job_id),
-                                       next_run_at=now + delay)
+        return msgspec.structs.replace(  # a runAt template keeps its time
+            template, job_id=job_id, shard_id=shard_of(job_id),
+            next_run_at=template.next_run_at if delay is None else now + delay)
 
 
 # --- the phases ----------------------------------------------------------------------------
@@ -750,11 +763,14 @@ async def run(options: Options, progress: Progress) -> Report:
         raise ConfigError("--url needs --api-key (a key of a tenant of that API)")
     started = datetime.now(UTC)
     plan = options.plan
+    due_after_s = 0 if options.url is None else URL_DUE_AFTER_S
+    at = (started.replace(microsecond=0) + timedelta(seconds=due_after_s + ONE_SECOND_AFTER_S)
+          if plan.one_second else None)
     if options.url is None:
-        bodies, ledger_of = job_bodies(DISTINCT_BODIES), contextlib.nullcontext(None)
+        bodies, ledger_of = job_bodies(DISTINCT_BODIES, at=at), contextlib.nullcontext(None)
     else:
         names = f"loadtest-{secrets.token_hex(4)}"
-        bodies = job_bodies(DISTINCT_BODIES, name=names, due_after_s=URL_DUE_AFTER_S)
+        bodies = job_bodies(DISTINCT_BODIES, name=names, due_after_s=due_after_s, at=at)
         ledger_of = canceled_afterwards(url_target(options), names, progress)
     machine = await machine_info(options.database_url, options.redis_url)
     async with scratch_database(options.database_url, scratch_name("loadtest"), options.keep,
@@ -811,6 +827,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="jobs put into the scratch database before the first phase (the tenant's, due "
            "over the same hour, 1,000 a statement), so the phases submit into a table that "
            "size; default 0")
+    a("--one-second", action="store_true", default=None,
+      help="every job due in the same second, an hour ahead, instead of over an hour: a "
+           "herd built by submits, each of which counts the jobs already there for the "
+           "herd warning")
     a("--phases", metavar="LIST",
       help="comma-separated subset of http-single,raw-single,http-batch,raw-batch; "
            "default all")
@@ -836,7 +856,7 @@ def options_from(args: argparse.Namespace) -> Options:
         "batch_clients": args.batch_clients,
         "batch_size": args.batch_size, "duration_s": args.duration, "warmup_s": args.warmup,
         "phases": tuple(p.strip() for p in args.phases.split(",")) if args.phases else None,
-        "prefill": args.prefill,
+        "prefill": args.prefill, "one_second": args.one_second,
     }.items() if v is not None}
     raw = {"plan": plan, "api_processes": args.api_processes, "url": args.url,
            "api_key": args.api_key, "keep": args.keep,
@@ -865,7 +885,8 @@ def render_text(report: Report) -> str:
     lines += [
         f"each phase: {report.plan.warmup_s:g} s warm-up, {report.plan.duration_s:g} s measured"
         + (f"; {report.plan.prefill} jobs in the scratch database before the first"
-           if report.plan.prefill else ""),
+           if report.plan.prefill else "")
+        + ("; every job due in one second" if report.plan.one_second else ""),
         "",
         f"{'phase':<11} {'conc':>4} {'jobs/req':>8} {'req/s':>9} {'jobs/s':>9} {'p50 ms':>8} "
         f"{'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}  errors",

@@ -17,6 +17,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 
 import asyncpg
 import msgspec
@@ -50,6 +51,7 @@ from herdwick.loadtest.submit import (
 )
 from tests.integration.conftest import Api
 from tests.integration.gateway_client import ADMIN_TOKEN
+from tests.services import with_database
 
 TINY = Plan(clients=4, batch_clients=2, batch_size=50, duration_s=0.9, warmup_s=0.2)
 
@@ -335,3 +337,29 @@ async def test_prefill_puts_the_tenant_s_jobs_there_before_the_first_phase(servi
     text = render_text(report)
     assert "2500 jobs in the scratch database before the first" in text
     assert f"the phases reported {phase.jobs_created} and 2500 were there before" in text
+
+
+async def test_one_second_puts_every_job_in_the_same_second(services) -> None:
+    """`--one-second`: a herd built by submits; the prefill joins the same second."""
+    plan = msgspec.structs.replace(TINY, phases=("raw-single", "raw-batch"), prefill=1_000,
+                                   one_second=True)
+    out = io.StringIO()
+    report = await run(Options(plan=plan, database_url=services.admin_dsn,
+                               redis_url=services.redis_url, keep=True),
+                       Progress(out, "submit", bar=False))
+    assert report.database is not None and report.database.consistent
+    assert "every job due in one second" in render_text(report)
+    [name] = re.findall(r"kept database (\S+)", out.getvalue())
+    admin = await asyncpg.connect(services.admin_dsn)
+    try:
+        conn = await asyncpg.connect(with_database(services.admin_dsn, name))
+        try:
+            seconds = await conn.fetch("SELECT date_trunc('second', next_run_at) AS s, "
+                                       "count(*) AS n FROM jobs GROUP BY 1")
+        finally:
+            await conn.close()
+        await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+    assert len(seconds) == 1 and seconds[0]["n"] == report.database.jobs_found
+    assert seconds[0]["s"] == report.started_at.replace(microsecond=0) + timedelta(hours=1)
