@@ -145,6 +145,21 @@ async def test_partitions_are_created_ahead_and_rescue_default_rows(db) -> None:
                                    "'execution_attempts_20310505'::regclass)") == 2
 
 
+async def tenant_and_job(conn: asyncpg.Connection,
+                         next_run_at: str) -> tuple[uuid.UUID, uuid.UUID]:
+    """A tenant and its active queue job due at `next_run_at`, written as an earlier
+    release's schema takes them."""
+    tenant, job = uuid.uuid4(), uuid.uuid4()
+    await conn.execute("INSERT INTO tenants (tenant_id, name, signing_secret) "
+                       "VALUES ($1, 't', 's')", tenant)
+    await conn.execute(
+        "INSERT INTO jobs (job_id, tenant_id, name, target_type, target_ref, pool, payload, "
+        "schedule, max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, "
+        "updated_at) VALUES ($1, $2, 'j', 'queue', 'q', 'q', 'null', '{}', 1, 1, 1, "
+        "'active', $3::text::timestamptz, now(), now())", job, tenant, next_run_at)
+    return tenant, job
+
+
 async def test_infinite_due_times_of_earlier_releases_become_due_at_once(empty_db: str) -> None:
     """runAt 0001-01-01 was stored as -infinity; after 0002 it runs as a past runAt does."""
     first = migrate.available()[0]
@@ -154,14 +169,7 @@ async def test_infinite_due_times_of_earlier_releases_become_due_at_once(empty_d
         await conn.execute(first.path.read_text())
         await conn.execute(q("migrations_table"))
         await conn.execute(q("migrations_record"), first.version, first.name)
-        tenant, job = uuid.uuid4(), uuid.uuid4()
-        await conn.execute("INSERT INTO tenants (tenant_id, name, signing_secret) "
-                           "VALUES ($1, 't', 's')", tenant)
-        await conn.execute(
-            "INSERT INTO jobs (job_id, tenant_id, name, target_type, target_ref, pool, payload, "
-            "schedule, max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, "
-            "updated_at) VALUES ($1, $2, 'j', 'queue', 'q', 'q', 'null', '{}', 1, 1, 1, "
-            "'active', '-infinity', now(), now())", job, tenant)
+        _, job = await tenant_and_job(conn, "-infinity")
         await conn.execute("INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id) "
                            "VALUES (3, '-infinity', '-infinity', $1)", job)
         await migrate.apply(empty_db)
@@ -184,14 +192,7 @@ async def test_pending_occurrences_take_their_tenant_for_the_herd_count(empty_db
         for m in earlier:
             await conn.execute(m.path.read_text())
             await conn.execute(q("migrations_record"), m.version, m.name)
-        tenant, job = uuid.uuid4(), uuid.uuid4()
-        await conn.execute("INSERT INTO tenants (tenant_id, name, signing_secret) "
-                           "VALUES ($1, 't', 's')", tenant)
-        await conn.execute(
-            "INSERT INTO jobs (job_id, tenant_id, name, target_type, target_ref, pool, payload, "
-            "schedule, max_attempts, backoff_s, timeout_s, state, next_run_at, created_at, "
-            "updated_at) VALUES ($1, $2, 'j', 'queue', 'q', 'q', 'null', '{}', 3, 1, 1, "
-            "'active', '2031-05-03 12:00', now(), now())", job, tenant)
+        tenant, job = await tenant_and_job(conn, "2031-05-03 12:00")
         await conn.execute("INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id) "
                            "VALUES (3, '2031-05-03 12:00', '2031-05-03 12:00', $1)", job)
         await conn.execute(
