@@ -549,10 +549,12 @@ class Stack:
             if time.time() > deadline:
                 async with self.db.connection() as conn:
                     stuck = await conn.fetch(_STUCK_SQL, LATE_S)
+                unapplied = await self.events_unapplied()
                 tails = "\n\n".join(f"{c.command} {c.pid}:\n" + "\n".join(list(c.tail)[-8:])
                                       for c in [*self.schedulers, *self.apis])
                 return (f"{found.unfinished_one_offs} one-offs unfinished {timeout_s:g} s after "
-                        f"the fault, {found.overdue_rows} due rows overdue (seed {self.seed})\n"
+                        f"the fault, {found.overdue_rows} due rows overdue, {unapplied} worker "
+                        f"events unapplied, steady rate done: {steady.done()} (seed {self.seed})\n"
                         f"{found}\noverdue due rows by shard owner (owner, lease live, rows, "
                         f"a shard, retries): {[tuple(r) for r in stuck]}\n{tails}")
             await asyncio.sleep(POLL_S)
