@@ -531,12 +531,17 @@ async def http_phases(plan: Plan, target: HttpTarget, bodies: list[dict], probe:
     return results
 
 
-async def _insert(db: Database, tenant_id: uuid.UUID, jobs: list[NewJob]) -> str:
+async def _insert_as_gateway(db: Database, tenant_id: uuid.UUID, jobs: list[NewJob]) -> None:
     """What the gateway's submit does after decoding, minus HTTP: the same statement and args."""
     now = datetime.now(UTC)
+    await store.insert_jobs(db, tenant_id, jobs, now=now,
+                            herd=herd_check(jobs, now, DEFAULT_HERD_WARN_JOBS))
+
+
+async def _insert(db: Database, tenant_id: uuid.UUID, jobs: list[NewJob]) -> str:
+    """A raw phase's request: OK, or the name of the error."""
     try:
-        await store.insert_jobs(db, tenant_id, jobs, now=now,
-                                herd=herd_check(jobs, now, DEFAULT_HERD_WARN_JOBS))
+        await _insert_as_gateway(db, tenant_id, jobs)
     except HerdwickError as exc:
         return type(exc).__name__
     return OK
@@ -551,10 +556,7 @@ async def prefill(db: Database, tenant_id: uuid.UUID, bodies: list[dict], count:
 
     async def insert_some() -> None:
         for size in sizes:  # one iterator: each batch goes to one of the tasks
-            jobs = maker.make(size)
-            now = datetime.now(UTC)
-            await store.insert_jobs(db, tenant_id, jobs, now=now,
-                                    herd=herd_check(jobs, now, DEFAULT_HERD_WARN_JOBS))
+            await _insert_as_gateway(db, tenant_id, maker.make(size))
 
     await asyncio.gather(*(insert_some() for _ in range(concurrency)))
 
@@ -766,12 +768,10 @@ async def run(options: Options, progress: Progress) -> Report:
     due_after_s = 0 if options.url is None else URL_DUE_AFTER_S
     at = (started.replace(microsecond=0) + timedelta(seconds=due_after_s + ONE_SECOND_AFTER_S)
           if plan.one_second else None)
-    if options.url is None:
-        bodies, ledger_of = job_bodies(DISTINCT_BODIES, at=at), contextlib.nullcontext(None)
-    else:
-        names = f"loadtest-{secrets.token_hex(4)}"
-        bodies = job_bodies(DISTINCT_BODIES, name=names, due_after_s=due_after_s, at=at)
-        ledger_of = canceled_afterwards(url_target(options), names, progress)
+    names = "loadtest" if options.url is None else f"loadtest-{secrets.token_hex(4)}"
+    bodies = job_bodies(DISTINCT_BODIES, name=names, due_after_s=due_after_s, at=at)
+    ledger_of = (contextlib.nullcontext(None) if options.url is None
+                 else canceled_afterwards(url_target(options), names, progress))
     machine = await machine_info(options.database_url, options.redis_url)
     async with scratch_database(options.database_url, scratch_name("loadtest"), options.keep,
                                 progress.say) as dsn:

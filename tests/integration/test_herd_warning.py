@@ -47,6 +47,12 @@ async def batch(api: Api, jobs: list[dict], **headers) -> dict:
     return await resp.json()
 
 
+async def single(api: Api, when: datetime) -> list[str]:
+    resp = await api.submit(make_job(schedule={"runAt": rfc3339(when)}))
+    assert resp.status == 201, await resp.text()
+    return (await resp.json())["warnings"]
+
+
 def warning(second: datetime, limit: int = WARN_JOBS) -> str:
     return (f"at least {limit} of this tenant's jobs are due in the second {rfc3339(second)}; "
             "spread them with schedule.jitterSeconds (e.g. 60)")
@@ -62,20 +68,10 @@ async def test_the_threshold_is_the_herd_warn_jobs_setting(api: Api, db_url, ser
 
 
 async def test_a_request_adds_to_the_second_an_earlier_one_filled(api: Api) -> None:
-    async def one(when: datetime) -> list[str]:
-        resp = await api.submit(make_job(schedule={"runAt": rfc3339(when)}))
-        return (await resp.json())["warnings"]
-
     assert (await batch(api, one_offs(3, ONE_PM)))["warnings"] == []
-    assert await one(ONE_PM) == []  # the fourth
-    assert await one(ONE_PM + timedelta(seconds=0.5)) == [warning(ONE_PM)]  # the fifth
-    assert await one(ONE_PM + timedelta(seconds=1)) == []
-
-
-async def single(api: Api, when: datetime) -> list[str]:
-    resp = await api.submit(make_job(schedule={"runAt": rfc3339(when)}))
-    assert resp.status == 201, await resp.text()
-    return (await resp.json())["warnings"]
+    assert await single(api, ONE_PM) == []  # the fourth
+    assert await single(api, ONE_PM + timedelta(seconds=0.5)) == [warning(ONE_PM)]  # the fifth
+    assert await single(api, ONE_PM + timedelta(seconds=1)) == []
 
 
 async def test_a_paused_job_leaves_the_count_until_it_is_resumed(api: Api) -> None:
