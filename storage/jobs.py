@@ -26,6 +26,7 @@ from herdwick.storage.sql import q
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
 QUOTA_RETRY_AFTER_S = 60
+_LIVE = ("active", "paused")  # the states max_active_jobs counts
 _CURSOR_PREFIX = "j1."
 
 _schedule_decoder = msgspec.json.Decoder(Schedule)
@@ -156,7 +157,9 @@ async def insert_submissions(
 async def _within_quota(conn, tenant_id: uuid.UUID, adding: int, max_active_jobs: int) -> None:
     """Under the tenant's quota lock (held to the commit), or QuotaExceeded."""
     await conn.execute(q("tenant_quota_lock"), tenant_id)
-    live = await conn.fetchval(q("count_live_jobs"), tenant_id)
+    live = await conn.fetchval(q("quota_live"), tenant_id)
+    if live is None:  # no count kept: the quota was lifted after this key was cached
+        live = await conn.fetchval(q("count_live_jobs"), tenant_id)
     if live + adding > max_active_jobs:
         raise QuotaExceeded(
             f"the tenant has {live} active or paused jobs; max_active_jobs is "
@@ -336,8 +339,9 @@ async def _transition_once(db: Database, tenant_id: uuid.UUID, job_id: uuid.UUID
             await conn.execute(q("insert_due"), shard_id, due_minute(when), when, job_id,
                                tenant_id)
             due.append((shard_id, job_id, when))
+        ends = job.state in _LIVE and change.state not in _LIVE
         updated = await conn.fetchrow(q("set_job_state"), tenant_id, job_id, change.state,
-                                      change.next_run_at, now)
+                                      change.next_run_at, now, ends)
         return Transitioned(job=job_from_row(updated), canceled=canceled, due=due)
 
 

@@ -70,11 +70,23 @@ async def patch_tenant(db: Database, tenant_id: uuid.UUID, patch: TenantPatch) -
 
     args = (*field(patch.weight), *field(patch.dispatch_rate), *field(patch.max_active_jobs),
             *field(patch.burst), *field(patch.dry_run), *field(patch.durability))
-    async with db.connection() as conn:
+    async with db.transaction() as conn:
         row = await conn.fetchrow(q("patch_tenant"), tenant_id, *args)
-    if row is None:
-        raise NotFound(f"tenant {tenant_id} does not exist")
+        if row is None:
+            raise NotFound(f"tenant {tenant_id} does not exist")
+        if patch.max_active_jobs is not msgspec.UNSET:
+            await _recount(conn, tenant_id, patch.max_active_jobs)
     return _tenant(row)
+
+
+async def _recount(conn, tenant_id: uuid.UUID, max_active_jobs: int | None) -> None:
+    """Setting a quota takes an exact live-job count, which the statements that write
+    and end jobs keep from then on (storage/migrations/0011); lifting one drops it."""
+    if max_active_jobs is None:
+        await conn.execute(q("quota_forget"), tenant_id)
+        return
+    await conn.execute(q("quota_changes_lock"))
+    await conn.execute(q("quota_recount"), tenant_id)
 
 
 class TenantLimits(msgspec.Struct, frozen=True, kw_only=True):

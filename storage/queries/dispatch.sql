@@ -93,6 +93,12 @@ WITH new_exec AS (
     FROM new_exec x
     WHERE x.state = 'dry_run' AND j.job_id = x.job_id AND j.next_run_at = x.scheduled_for
       AND j.state = 'active' AND j.schedule->>'cron' IS NULL
+    RETURNING j.tenant_id
+), released AS (
+    INSERT INTO quota_changes (tenant_id, delta)
+    SELECT tenant_id, -count(*) FROM dry_one_offs
+    WHERE tenant_id IN (SELECT tenant_id FROM quota_counts)
+    GROUP BY tenant_id
 ), next_due AS (
     INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, tenant_id)
     SELECT * FROM unnest($7::smallint[], $8::timestamptz[], $9::timestamptz[], $10::uuid[],
@@ -181,6 +187,12 @@ WITH f AS (
     WHERE j.job_id IN (SELECT job_id FROM f
                        WHERE execution_id IS NULL OR scheduled_for = j.next_run_at)
       AND j.state = 'active' AND j.schedule->>'cron' IS NULL
+    RETURNING j.tenant_id
+), released AS (
+    INSERT INTO quota_changes (tenant_id, delta)
+    SELECT tenant_id, -count(*) FROM one_offs
+    WHERE tenant_id IN (SELECT tenant_id FROM quota_counts)
+    GROUP BY tenant_id
 ), crons AS (
     UPDATE jobs SET next_run_at = NULL, updated_at = coalesce($1, now())
     WHERE job_id IN (SELECT job_id FROM f WHERE execution_id IS NULL)

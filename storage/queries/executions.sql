@@ -97,7 +97,12 @@ WITH u AS (  -- times arrive as Redis milliseconds
           WHERE state IN ('succeeded', 'dead')) m
     WHERE j.job_id = m.job_id AND j.next_run_at = m.scheduled_for
       AND j.state = 'active' AND j.schedule->>'cron' IS NULL
-    RETURNING 1
+    RETURNING j.tenant_id
+), released AS (
+    INSERT INTO quota_changes (tenant_id, delta)
+    SELECT tenant_id, -count(*) FROM completed
+    WHERE tenant_id IN (SELECT tenant_id FROM quota_counts)
+    GROUP BY tenant_id
 )
 SELECT (SELECT count(*) FROM moved) AS changed,
        (SELECT count(*) FROM retries) AS retries,
@@ -196,6 +201,12 @@ WITH failed AS (
     WHERE j.job_id = f.job_id AND j.state = 'active' AND j.schedule->>'cron' IS NULL
       -- a time that is not finite is no trigger's, and most likely why it failed
       AND (j.next_run_at = f.scheduled_for OR NOT isfinite(f.scheduled_for))
+    RETURNING j.tenant_id
+), released AS (
+    INSERT INTO quota_changes (tenant_id, delta)
+    SELECT tenant_id, -count(*) FROM completed
+    WHERE tenant_id IN (SELECT tenant_id FROM quota_counts)
+    GROUP BY tenant_id
 )
 SELECT count(*) FROM failed;
 

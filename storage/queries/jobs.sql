@@ -62,6 +62,10 @@ WITH checks AS (
               max_attempts, backoff_s, timeout_s, next_run_at, labels, dry_run)
     WHERE (SELECT ok FROM go)
     RETURNING 1
+), live_change AS (  -- for a quota tenant's count (migration 0011); others keep none
+    INSERT INTO quota_changes (tenant_id, delta)
+    SELECT $1, n FROM (SELECT count(*) AS n FROM new_jobs) w
+    WHERE n > 0 AND EXISTS (SELECT 1 FROM quota_counts WHERE tenant_id = $1)
 ), new_due AS (
     INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, tenant_id)
     SELECT d.shard_id, d.due_minute, d.next_run_at, d.job_id, $1
@@ -130,7 +134,12 @@ ORDER BY job_id DESC
 LIMIT $4;
 
 -- name: set_job_state
--- A transition decided by the caller, who holds the row lock (lock_job).
+-- A transition decided by the caller, who holds the row lock (lock_job). $6: the job
+-- stops being live (a cancel): a quota tenant's count loses it.
+WITH released AS (
+    INSERT INTO quota_changes (tenant_id, delta)
+    SELECT tenant_id, -1 FROM quota_counts WHERE $6 AND tenant_id = $1
+)
 UPDATE jobs SET state = $3, next_run_at = $4, version = version + 1, updated_at = $5
 WHERE tenant_id = $1 AND job_id = $2
 RETURNING job_id, name, target_type, target_ref, payload::text AS payload, schedule::text AS schedule,

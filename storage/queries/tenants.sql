@@ -1,10 +1,14 @@
 -- name: create_tenant
--- Inserts a tenant and its first API key (hash only) in one statement.
+-- Inserts a tenant and its first API key (hash only) in one statement; with a quota,
+-- its live-job count (none yet).
 WITH t AS (
     INSERT INTO tenants (tenant_id, name, weight, dispatch_rate, max_active_jobs, signing_secret,
                          created_at, updated_at, burst, dry_run, durability)
     VALUES ($1, $2, $3, $4, $5, $6, $8, $8, $9, $10, $11)
-    RETURNING tenant_id
+    RETURNING tenant_id, max_active_jobs
+), counted AS (
+    INSERT INTO quota_counts (tenant_id, live)
+    SELECT tenant_id, 0 FROM t WHERE max_active_jobs IS NOT NULL
 )
 INSERT INTO api_keys (key_hash, tenant_id, created_at)
 SELECT $7, tenant_id, $8 FROM t;
@@ -71,6 +75,40 @@ SELECT pg_advisory_xact_lock(hashtextextended($1::uuid::text, 0));
 -- name: count_live_jobs
 -- Jobs that still count against max_active_jobs: active or paused.
 SELECT count(*) FROM jobs WHERE tenant_id = $1 AND state IN ('active', 'paused');
+
+-- name: quota_live
+-- The quota check, under the tenant's quota lock: the changes committed so far are
+-- folded into its live-job count, which it returns (changes still in flight are not
+-- visible, nor are the jobs they wrote or finished). No row: the tenant keeps no count.
+WITH folded AS (
+    DELETE FROM quota_changes WHERE tenant_id = $1 RETURNING delta
+)
+UPDATE quota_counts SET live = live + (SELECT coalesce(sum(delta), 0) FROM folded)
+WHERE tenant_id = $1
+RETURNING live;
+
+-- name: quota_changes_lock
+-- Setting a quota counts afresh. This waits for every transaction that has written a
+-- change (every statement that writes or finishes a job names the table) and holds new
+-- ones back until the commit, so the count sees exactly the jobs the changes account for.
+-- Self-exclusive, so two such transactions take turns.
+LOCK TABLE quota_changes IN SHARE ROW EXCLUSIVE MODE;
+
+-- name: quota_recount
+WITH dropped AS (
+    DELETE FROM quota_changes WHERE tenant_id = $1
+)
+INSERT INTO quota_counts (tenant_id, live)
+SELECT $1, count(*) FROM jobs WHERE tenant_id = $1 AND state IN ('active', 'paused')
+ON CONFLICT (tenant_id) DO UPDATE SET live = EXCLUDED.live;
+
+-- name: quota_forget
+-- The quota lifted: the count and its changes go (a change in flight may still land;
+-- the next recount drops it).
+WITH dropped AS (
+    DELETE FROM quota_changes WHERE tenant_id = $1
+)
+DELETE FROM quota_counts WHERE tenant_id = $1;
 
 -- name: tenant_by_name
 -- The oldest tenant of that name (names are labels, not unique).

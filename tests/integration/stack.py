@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from herdwick.actors.base import Tick, sync
 from herdwick.actors.scheduler import Scheduler
+from herdwick.gateway.submit import prepare
+from herdwick.model import JobSpec, Schedule, Target
 from herdwick.storage import keys
+from herdwick.storage.jobs import NewJob
 from tests.integration.conftest import Api, make_job
 
 
@@ -33,3 +38,12 @@ async def tick(*nodes: Scheduler) -> None:
     for node in nodes:
         await node.coordinator.send(Tick())
         await sync(node.coordinator)
+
+
+def queue_job(when: datetime, now: datetime) -> NewJob:
+    """A one-off queue job due at `when`, prepared as a submit at `now` would."""
+    spec = JobSpec(name="n", target=Target(type="queue", ref="emails"),
+                   schedule=Schedule(run_at=when))
+    prepared = prepare(spec, now=now, allow=())
+    assert prepared.job is not None, prepared.errors
+    return prepared.job

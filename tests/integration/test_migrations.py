@@ -16,7 +16,7 @@ from tests.services import Services, with_database
 EXPECTED_TABLES = {
     "tenants", "api_keys", "jobs", "idempotency_keys", "due_index", "executions",
     "execution_attempts", "shard_leases", "scheduler_nodes", "schema_migrations",
-    "retention_archives", "job_revisions",
+    "retention_archives", "job_revisions", "quota_counts", "quota_changes",
 }
 
 
@@ -184,14 +184,10 @@ async def test_infinite_due_times_of_earlier_releases_become_due_at_once(empty_d
 async def test_pending_occurrences_take_their_tenant_for_the_herd_count(empty_db: str) -> None:
     """0010: the herd warning counts due_index rows by tenant; the rows an earlier release
     wrote get their job's tenant, a retry's row (an execution's) none."""
-    *earlier, last = migrate.available()
-    assert last.name == "herd_count_on_due_index"
+    earlier, last = up_to("herd_count_on_due_index")
     conn = await asyncpg.connect(empty_db)
     try:
-        await conn.execute(q("migrations_table"))
-        for m in earlier:
-            await conn.execute(m.path.read_text())
-            await conn.execute(q("migrations_record"), m.version, m.name)
+        await apply_by_hand(conn, earlier)
         tenant, job = await tenant_and_job(conn, "2031-05-03 12:00")
         await conn.execute("INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id) "
                            "VALUES (3, '2031-05-03 12:00', '2031-05-03 12:00', $1)", job)
@@ -199,7 +195,8 @@ async def test_pending_occurrences_take_their_tenant_for_the_herd_count(empty_db
             "INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id, "
             "scheduled_for, attempt) VALUES (3, '2031-05-03 11:01', '2031-05-03 11:01:30', $1, "
             "$2, '2031-05-03 11:00', 2)", job, uuid.uuid4())
-        assert [m.version for m in await migrate.apply(empty_db)] == [last.version]
+        applied = await migrate.apply(empty_db)
+        assert applied[0].version == last.version
         rows = await conn.fetch("SELECT execution_id IS NULL AS occurrence, tenant_id "
                                 "FROM due_index ORDER BY next_run_at")
         indexes = {r["indexname"] for r in await conn.fetch(
@@ -209,3 +206,41 @@ async def test_pending_occurrences_take_their_tenant_for_the_herd_count(empty_db
     assert [tuple(r) for r in rows] == [(False, None), (True, tenant)]
     # The index the api processes of the release before count on stays while they roll.
     assert {"due_index_tenant_due", "jobs_tenant_due"} <= indexes
+
+
+def up_to(name: str) -> tuple[list, migrate.Migration]:
+    """The migrations before the one called `name`, and that one."""
+    every = migrate.available()
+    at = next(i for i, m in enumerate(every) if m.name == name)
+    return every[:at], every[at]
+
+
+async def apply_by_hand(conn: asyncpg.Connection, migrations: list) -> None:
+    await conn.execute(q("migrations_table"))
+    for m in migrations:
+        await conn.execute(m.path.read_text())
+        await conn.execute(q("migrations_record"), m.version, m.name)
+
+
+async def test_quota_tenants_get_their_live_jobs_counted(empty_db: str) -> None:
+    """0011: a tenant with max_active_jobs gets its active and paused jobs counted; a
+    tenant without one gets no count."""
+    earlier, _ = up_to("quota_counts")
+    conn = await asyncpg.connect(empty_db)
+    try:
+        await apply_by_hand(conn, earlier)
+        limited, job = await tenant_and_job(conn, "2031-05-03 12:00")
+        await tenant_and_job(conn, "2031-05-03 12:00")  # a tenant without a quota
+        await conn.execute("UPDATE tenants SET max_active_jobs = 5 WHERE tenant_id = $1", limited)
+        for state in ("paused", "completed", "canceled"):
+            await conn.execute(
+                "INSERT INTO jobs (job_id, tenant_id, name, target_type, target_ref, pool, "
+                "payload, schedule, max_attempts, backoff_s, timeout_s, state, created_at, "
+                "updated_at) SELECT $1, tenant_id, name, target_type, target_ref, pool, payload, "
+                "schedule, max_attempts, backoff_s, timeout_s, $3, now(), now() FROM jobs "
+                "WHERE job_id = $2", uuid.uuid4(), job, state)
+        await migrate.apply(empty_db)
+        counts = [tuple(r) for r in await conn.fetch("SELECT tenant_id, live FROM quota_counts")]
+    finally:
+        await conn.close()
+    assert counts == [(limited, 2)]  # the active and the paused one

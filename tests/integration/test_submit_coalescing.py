@@ -11,22 +11,18 @@ from herdwick.clock import ManualClock
 from herdwick.errors import QuotaExceeded, StorageUnavailable
 from herdwick.gateway.coalesce import Coalescer
 from herdwick.gateway.herd import herd_check
-from herdwick.gateway.submit import prepare
-from herdwick.model import JobSpec, Schedule, Target, TenantSpec
+from herdwick.model import TenantSpec
 from herdwick.storage.jobs import NewJob, Submission, insert_jobs, insert_submissions
 from herdwick.storage.tenants import create_tenant
 from tests.integration.conftest import Api, make_job
+from tests.integration.stack import queue_job
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 LIMIT = 5  # the herd warning's threshold in these tests
 
 
 def job_at(when: datetime) -> NewJob:
-    spec = JobSpec(name="n", target=Target(type="queue", ref="emails"),
-                   schedule=Schedule(run_at=when))
-    prepared = prepare(spec, now=NOW, allow=())
-    assert prepared.job is not None, prepared.errors
-    return prepared.job
+    return queue_job(when, NOW)
 
 
 async def tenant(db, **limits) -> uuid.UUID:

@@ -1,0 +1,183 @@
+"""A tenant's maxActiveJobs reads a kept count (migration 0011), not a count of its jobs.
+
+Every way a job starts or stops being live must move the count exactly as the jobs move:
+each story here ends by comparing the kept count with the jobs themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from herdwick.actors.sweeper import RECOVERY_GRACE_S
+from herdwick.clock import ManualClock
+from herdwick.errors import QuotaExceeded
+from herdwick.model import TenantPatch, TenantSpec
+from herdwick.storage.jobs import NewJob, insert_jobs
+from herdwick.storage.protocol import Protocol
+from herdwick.storage.sql import q
+from herdwick.storage.tenants import create_tenant, patch_tenant
+from tests.integration.conftest import Api, make_job
+from tests.integration.stack import advance, queue_job, ready
+
+POOL = "emails"
+
+
+@pytest.fixture
+def clock() -> ManualClock:  # leases and retries go by the Redis server's clock
+    return ManualClock(datetime.now(UTC).replace(microsecond=0))
+
+
+async def counted(db, tenant_id: uuid.UUID) -> tuple[int | None, int]:
+    """(the kept count, its changes folded as a submit folds them; the live jobs)."""
+    async with db.transaction() as conn:
+        kept = await conn.fetchval(q("quota_live"), tenant_id)
+        live = await conn.fetchval(q("count_live_jobs"), tenant_id)
+    return kept, live
+
+
+async def limited(api: Api, quota: int) -> tuple[str, uuid.UUID]:
+    made = await api.create_tenant("limited", maxActiveJobs=quota)
+    return made["apiKey"], uuid.UUID(made["tenantId"])
+
+
+async def submit_as(api: Api, key: str, **overrides) -> dict:
+    resp = await api.submit(make_job(**overrides), key=key)
+    assert resp.status == 201, await resp.text()
+    return await resp.json()
+
+
+async def post(api: Api, key: str, path: str) -> None:
+    resp = await api.client.post(path, headers=api.auth(key))
+    assert resp.status == 200, await resp.text()
+
+
+async def test_the_count_follows_every_way_a_job_stops_being_live(
+        api, schedulers, redis_client, key_prefix, clock, db) -> None:
+    key, tenant_id = await limited(api, 5)
+    ok = await submit_as(api, key, name="ok", schedule={"delaySeconds": 1})
+    bad = await submit_as(api, key, name="bad", schedule={"delaySeconds": 1})
+    await submit_as(api, key, name="dry", schedule={"delaySeconds": 1}, dryRun=True)
+    paused = await submit_as(api, key, name="paused", schedule={"cron": "0 0 * * *"})
+    await submit_as(api, key, name="kept", schedule={"cron": "0 0 * * *"})
+    assert (await api.submit(make_job(), key=key)).status == 429
+    assert await counted(db, tenant_id) == (5, 5)
+
+    await post(api, key, f"/v1/jobs/{paused['jobId']}:pause")
+    assert await counted(db, tenant_id) == (5, 5)  # paused still counts
+    resp = await api.client.delete(f"/v1/jobs/{paused['jobId']}", headers=api.auth(key))
+    assert resp.status == 204, await resp.text()
+    assert await counted(db, tenant_id) == (4, 4)
+
+    node = await schedulers()
+    await advance(clock, 1, node)
+    await node.settle()  # the dry one-off completes as it is dispatched
+    assert await counted(db, tenant_id) == (3, 3)
+    protocol = Protocol(redis_client, key_prefix)
+    runs = {e["job_id"]: e["execution_id"] for e in await ready(redis_client, key_prefix)}
+    await protocol.lease(POOL, "w", 30, runs[ok["jobId"]], 1)
+    await protocol.complete(POOL, runs[ok["jobId"]], 1, "w", "{}")
+    await protocol.lease(POOL, "w", 30, runs[bad["jobId"]], 1)
+    await protocol.fail(POOL, runs[bad["jobId"]], 1, "w", '{"message": "no"}', False)
+    await node.settle_events()
+    assert await counted(db, tenant_id) == (1, 1)
+
+    for i in range(4):
+        await submit_as(api, key, name=f"more{i}")
+    assert (await api.submit(make_job(), key=key)).status == 429
+    assert await counted(db, tenant_id) == (5, 5)
+
+
+async def test_rows_the_dispatcher_and_the_sweeper_give_up_on_leave_the_count(
+        api, schedulers, redis_client, key_prefix, clock, db) -> None:
+    """fail_claimed (a due row that cannot be dispatched) and fail_executions (an execution
+    the sweeper cannot republish) complete one-offs too."""
+    key, tenant_id = await limited(api, 5)
+    unloadable = await submit_as(api, key, name="unloadable", schedule={"delaySeconds": 1})
+    async with db.connection() as conn:
+        await conn.execute("UPDATE due_index SET next_run_at = '-infinity', "
+                           "due_minute = '-infinity' WHERE job_id = $1", unloadable["jobId"])
+    node = await schedulers()
+    await advance(clock, 1, node)
+    await node.settle()
+    assert await counted(db, tenant_id) == (0, 0)
+
+    unsweepable = await submit_as(api, key, name="unsweepable", schedule={"delaySeconds": 1})
+    await advance(clock, 1, node)
+    await node.settle()
+    async with db.connection() as conn:
+        await conn.execute("UPDATE executions SET scheduled_for = '-infinity' WHERE job_id = $1",
+                           unsweepable["jobId"])
+    await redis_client.delete(*[k async for k in redis_client.scan_iter(f"{key_prefix}:*")])
+    clock.advance(60)
+    await node.sweeper.run_once()
+    clock.advance(RECOVERY_GRACE_S)
+    await node.sweeper.run_once()
+    await node.settle()
+    async with db.connection() as conn:
+        error = await conn.fetchval("SELECT error::text FROM executions WHERE job_id = $1",
+                                    unsweepable["jobId"])
+    assert json.loads(error)["type"] == "UnpublishableExecution"
+    assert await counted(db, tenant_id) == (0, 0)
+
+
+def one_job(now: datetime) -> list[NewJob]:
+    return [queue_job(now + timedelta(hours=1), now)]
+
+
+async def test_setting_a_quota_counts_the_jobs_already_there_and_lifting_it_forgets(
+        db, clock) -> None:
+    now = clock.now()
+    tenant_id = (await create_tenant(db, TenantSpec(name="t"), now)).tenant_id
+    for _ in range(3):
+        await insert_jobs(db, tenant_id, one_job(now), now=now)
+    assert (await counted(db, tenant_id))[0] is None  # no quota, no count kept
+
+    await patch_tenant(db, tenant_id, TenantPatch(max_active_jobs=4))
+    assert await counted(db, tenant_id) == (3, 3)
+    await insert_jobs(db, tenant_id, one_job(now), now=now, max_active_jobs=4)
+    with pytest.raises(QuotaExceeded):
+        await insert_jobs(db, tenant_id, one_job(now), now=now, max_active_jobs=4)
+
+    await patch_tenant(db, tenant_id, TenantPatch(max_active_jobs=None))
+    assert (await counted(db, tenant_id))[0] is None
+    # A key cached before the quota was lifted still carries it: the jobs are counted.
+    with pytest.raises(QuotaExceeded):
+        await insert_jobs(db, tenant_id, one_job(now), now=now, max_active_jobs=4)
+
+
+async def test_setting_a_quota_waits_for_a_job_ending_in_flight(db, clock) -> None:
+    """A cancel not yet committed when the quota is set: the count must not hold the job,
+    nor lose it if the cancel rolls back. The recount waits for the cancel's transaction."""
+    now = clock.now()
+    tenant_id = (await create_tenant(db, TenantSpec(name="t"), now)).tenant_id
+    await insert_jobs(db, tenant_id, one_job(now), now=now)
+    async with db.connection() as conn:
+        job_id = await conn.fetchval("SELECT job_id FROM jobs WHERE tenant_id = $1", tenant_id)
+    async with db.connection() as canceling:
+        cancel = canceling.transaction()
+        await cancel.start()
+        await canceling.fetchrow(q("set_job_state"), tenant_id, job_id, "canceled", None, now,
+                                 True)
+        setting = asyncio.create_task(patch_tenant(db, tenant_id, TenantPatch(max_active_jobs=9)))
+        await waiting_on_a_lock(db)
+        assert not setting.done()
+        await cancel.commit()
+        await setting
+    assert await counted(db, tenant_id) == (0, 0)
+
+
+async def waiting_on_a_lock(db) -> None:
+    """Until some other backend of this database waits on a heavyweight lock."""
+    async with db.connection() as conn:
+        for _ in range(500):
+            if await conn.fetchval("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a "
+                                   "USING (pid) WHERE NOT l.granted "
+                                   "AND a.datname = current_database()"):
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError("nothing waited on a lock")
