@@ -95,10 +95,10 @@ WITH new_exec AS (
       AND j.state = 'active' AND j.schedule->>'cron' IS NULL
     RETURNING j.tenant_id
 ), released AS (
-    INSERT INTO quota_changes (tenant_id, delta)
-    SELECT tenant_id, -count(*) FROM dry_one_offs
-    WHERE tenant_id IN (SELECT tenant_id FROM quota_counts)
-    GROUP BY tenant_id
+    INSERT INTO quota_changes (tenant_id, delta)  -- a quota tenant's: one probe a tenant
+    SELECT c.tenant_id, -c.n
+    FROM (SELECT tenant_id, count(*) AS n FROM dry_one_offs GROUP BY tenant_id) c
+    JOIN quota_counts USING (tenant_id)
 ), next_due AS (
     INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, tenant_id)
     SELECT * FROM unnest($7::smallint[], $8::timestamptz[], $9::timestamptz[], $10::uuid[],
@@ -189,10 +189,10 @@ WITH f AS (
       AND j.state = 'active' AND j.schedule->>'cron' IS NULL
     RETURNING j.tenant_id
 ), released AS (
-    INSERT INTO quota_changes (tenant_id, delta)
-    SELECT tenant_id, -count(*) FROM one_offs
-    WHERE tenant_id IN (SELECT tenant_id FROM quota_counts)
-    GROUP BY tenant_id
+    INSERT INTO quota_changes (tenant_id, delta)  -- a quota tenant's: one probe a tenant
+    SELECT c.tenant_id, -c.n
+    FROM (SELECT tenant_id, count(*) AS n FROM one_offs GROUP BY tenant_id) c
+    JOIN quota_counts USING (tenant_id)
 ), crons AS (
     UPDATE jobs SET next_run_at = NULL, updated_at = coalesce($1, now())
     WHERE job_id IN (SELECT job_id FROM f WHERE execution_id IS NULL)

@@ -99,10 +99,10 @@ WITH u AS (  -- times arrive as Redis milliseconds
       AND j.state = 'active' AND j.schedule->>'cron' IS NULL
     RETURNING j.tenant_id
 ), released AS (
-    INSERT INTO quota_changes (tenant_id, delta)
-    SELECT tenant_id, -count(*) FROM completed
-    WHERE tenant_id IN (SELECT tenant_id FROM quota_counts)
-    GROUP BY tenant_id
+    INSERT INTO quota_changes (tenant_id, delta)  -- a quota tenant's: one probe a tenant
+    SELECT c.tenant_id, -c.n
+    FROM (SELECT tenant_id, count(*) AS n FROM completed GROUP BY tenant_id) c
+    JOIN quota_counts USING (tenant_id)
 )
 SELECT (SELECT count(*) FROM moved) AS changed,
        (SELECT count(*) FROM retries) AS retries,
@@ -203,10 +203,10 @@ WITH failed AS (
       AND (j.next_run_at = f.scheduled_for OR NOT isfinite(f.scheduled_for))
     RETURNING j.tenant_id
 ), released AS (
-    INSERT INTO quota_changes (tenant_id, delta)
-    SELECT tenant_id, -count(*) FROM completed
-    WHERE tenant_id IN (SELECT tenant_id FROM quota_counts)
-    GROUP BY tenant_id
+    INSERT INTO quota_changes (tenant_id, delta)  -- a quota tenant's: one probe a tenant
+    SELECT c.tenant_id, -c.n
+    FROM (SELECT tenant_id, count(*) AS n FROM completed GROUP BY tenant_id) c
+    JOIN quota_counts USING (tenant_id)
 )
 SELECT count(*) FROM failed;
 
