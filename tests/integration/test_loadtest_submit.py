@@ -10,17 +10,14 @@ claiming a database it never looked at.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import io
 import re
 import signal
 import sys
-import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from pathlib import Path
 
 import asyncpg
 import msgspec
@@ -57,18 +54,6 @@ from tests.integration.gateway_client import ADMIN_TOKEN
 from tests.services import with_database
 
 TINY = Plan(clients=4, batch_clients=2, batch_size=50, duration_s=0.9, warmup_s=0.2)
-TURN_LOCK = Path(tempfile.gettempdir()) / "herdwick-loadtest-submit-tests.lock"
-
-
-@pytest.fixture(autouse=True)
-def one_at_a_time() -> Iterator[None]:
-    """This module's tests take turns across xdist workers: several create hw_loadtest_*
-    scratch databases, and one checks that its run left none behind. tests/conftest.py
-    puts them in one xdist group for that, but under pytest 9 xdist's loadgroup no longer
-    keeps a group on one worker (its node id suffix does not take)."""
-    with open(TURN_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 def url_of(api: Api) -> str:
