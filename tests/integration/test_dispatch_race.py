@@ -129,7 +129,7 @@ async def test_a_retry_claimed_behind_a_pause_is_parked_not_started(api: Api, db
         await pause.execute(q("lock_due_rows"), job_id)
         await pause.fetchrow(q("lock_job"), tenant_id, job_id)
         await pause.execute(q("delete_due_occurrences"), job_id)
-        await pause.fetchrow(q("set_job_state"), tenant_id, job_id, "paused", T0, T0)
+        await pause.fetchrow(q("set_job_state"), tenant_id, job_id, "paused", T0, T0, False)
         racer = asyncio.create_task(dispatch_at(retry_at, retry_at))
         await _waiting_on_a_lock(db)
     assert (await racer).queued == []  # the pause won: the retry did not start
