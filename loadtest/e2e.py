@@ -91,6 +91,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     delay_s: Annotated[float, Meta(ge=0.5, le=60)] = 2.5
     schedulers: Annotated[int, Meta(ge=1, le=16)] = 1
     timeout_s: Annotated[float, Meta(gt=0, le=3_600)] = 180.0
+    cron: bool = False  # every job a cron job (loadtest/jobs.py cron_schedule)
 
 
 class Steady(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,6 +107,7 @@ class Steady(msgspec.Struct, frozen=True, kw_only=True):
 
 class Report(msgspec.Struct, kw_only=True):
     jobs: int  # the herd; 0 for a steady rate alone
+    cron: bool = False  # cron jobs, each of whose next occurrence dispatch wrote
     schedulers: int
     workers: int
     succeeded: int  # herd and steady
@@ -147,6 +149,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--workers", type=int, default=2, help="`herdwick worker` processes; default 2")
     a("--concurrency", type=int, default=200,
       help="handlers per worker process; default 200")
+    a("--cron", action="store_true",
+      help="every job a cron job (hourly, Europe/London) whose first occurrence is its due "
+      "time, so dispatch also computes and writes each one's next occurrence, as in a "
+      "top-of-the-hour herd; default: one-off jobs")
     a("--due-in", type=float, default=6.0,
       help="seconds from the move to the due second; default 6")
     a("--timeout", type=float, default=180.0,
@@ -164,7 +170,8 @@ def plan_from(args: argparse.Namespace) -> Plan:
         plan = msgspec.convert(
             {"jobs": args.jobs, "tenants": args.tenants, "due_in_s": args.due_in,
              "rate": args.rate, "duration_s": args.duration, "delay_s": args.delay,
-             "schedulers": args.schedulers, "timeout_s": args.timeout}, Plan)
+             "schedulers": args.schedulers, "timeout_s": args.timeout,
+             "cron": args.cron}, Plan)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"loadtest e2e: {exc}") from None
     if plan.jobs == 0 and plan.rate == 0:
@@ -235,7 +242,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
                    progress: Progress) -> Report:
     pool = pool_names(1)[0]
     tenants = await create_tenants(db, plan.tenants)
-    factory = JobFactory([pool])
+    factory = JobFactory([pool], cron=plan.cron)
     parked = await _insert_herd(db, plan, factory, tenants, progress)
     port = args.metrics_port
     if port is not None:
@@ -299,7 +306,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
     xacts = spent.xacts - outcomes.polls - spent.publishes
     commands = spent.commands - sampler.commands - spent.publishes
     return Report(
-        jobs=plan.jobs, schedulers=plan.schedulers, workers=args.workers,
+        jobs=plan.jobs, cron=plan.cron, schedulers=plan.schedulers, workers=args.workers,
         succeeded=outcomes.herd + outcomes.steady,
         last_succeeded_after_due_s=None if after_due is None else round(after_due, 2),
         jobs_per_s=None if after_due is None else round(plan.jobs / after_due),
@@ -347,7 +354,7 @@ def render_text(r: Report) -> str:
     lines = [f"herdwick loadtest e2e: {r.schedulers} scheduler, {r.workers} worker "
              f"process(es) with a no-op handler; {r.succeeded} executions succeeded"]
     if r.lease_lag_ms is not None:
-        lines += [f"  herd: {r.jobs} jobs due in one second",
+        lines += [f"  herd: {r.jobs} {'cron' if r.cron else 'one-off'} jobs due in one second",
                   f"    all succeeded in Postgres {r.last_succeeded_after_due_s} s after due "
                   f"({r.jobs_per_s:,} jobs/s end to end)", _lag_line(r.lease_lag_ms)]
     if (s := r.steady) is not None:

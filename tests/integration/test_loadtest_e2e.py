@@ -63,6 +63,22 @@ async def test_a_tiny_herd_goes_through_real_workers(services) -> None:
     assert "writes per execution" in e2e.render_text(report)
 
 
+async def test_a_tiny_cron_herd_writes_each_job_s_next_occurrence(services) -> None:
+    args = e2e_args(services, "--jobs", "200", "--due-in", "3", "--cron")
+    report = await e2e.run(args, Progress(None))
+    assert report.cron and report.succeeded == report.jobs == 200
+    assert report.history == e2e.History(succeeded_without_start=0, attempts_left_running=0)
+    writes = report.writes
+    assert writes is not None and writes.executions == 200
+    one = pytest.approx(1.0, abs=0.02)
+    # Dispatch took each occurrence's due row and wrote the next one; the job stays
+    # active and its next_run_at moves: one update, not a completion.
+    assert writes.tables["due_index"].deleted == one
+    assert writes.tables["due_index"].inserted == one
+    assert writes.tables["jobs"].updated == one
+    assert "200 cron jobs due in one second" in e2e.render_text(report)
+
+
 async def test_a_tiny_steady_rate_goes_through_real_workers(services) -> None:
     args = e2e_args(services, "--jobs", "0", "--rate", "50", "--duration", "2")
     report = await e2e.run(args, Progress(None))
