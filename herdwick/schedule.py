@@ -178,8 +178,11 @@ def parse_cron(expr: str, *, job_id: uuid.UUID | None = None) -> CronExpr:
     Results are cached per expression (and per job when it uses H).
     """
     # Key the cache on the job only when H is used, so `0 9 * * THU` is parsed once.
-    seed = job_id.bytes if job_id is not None and _USES_H.search(expr) else None
-    return _parse(expr, seed)
+    return _parse(expr, _seed(expr, job_id))
+
+
+def _seed(expr: str, job_id: uuid.UUID | None) -> bytes | None:
+    return job_id.bytes if job_id is not None and _USES_H.search(expr) else None
 
 
 # Fields are separated by spaces and tabs only, as /openapi.json's cron pattern says: str.split()
@@ -483,12 +486,21 @@ def next_fire_times(
     jitter = _jitter(schedule, job_id)
     if schedule.cron is None:
         return _one_off(schedule, after, jitter)[:count]
-    cron = parse_cron(schedule.cron, job_id=job_id)
-    zone = validate_zone(schedule.tz)
-    floor_s = _floor_s(after - jitter)
+    instants = _instants_after(schedule.cron, _seed(schedule.cron, job_id), schedule.tz,
+                               _floor_s(after - jitter), count)
+    return [_at(instant, jitter) for instant in instants]
+
+
+# A top-of-the-hour herd asks the same question of tens of thousands of jobs (one
+# expression and zone, one due second): the answers are kept, keyed on what decides them.
+@lru_cache(maxsize=4096)
+def _instants_after(expr: str, seed: bytes | None, tz: str | None, floor_s: int,
+                    count: int) -> tuple[int, ...]:
+    cron = _parse(expr, seed)
+    zone = validate_zone(tz)
     instants = _fire_instants(cron, zone, _start_up(zone, floor_s), 1)
     later = dropwhile(lambda instant: instant <= floor_s, instants)
-    return [_at(instant, jitter) for instant in islice(later, count)]
+    return tuple(islice(later, count))
 
 
 def first_run_at(schedule: Schedule, now: datetime, *, job_id: uuid.UUID) -> datetime | None:
@@ -532,13 +544,20 @@ def missed_occurrences(
     if schedule.cron is None:
         return [last_due.astimezone(_UTC)]
     jitter = _jitter(schedule, job_id)
-    cron = parse_cron(schedule.cron, job_id=job_id)
-    zone = validate_zone(schedule.tz)
-    lo_s, hi_s = _ceil_s(last_due - jitter), _floor_s(now - jitter)
+    recent = _instants_within(schedule.cron, _seed(schedule.cron, job_id), schedule.tz,
+                              _ceil_s(last_due - jitter), _floor_s(now - jitter), limit)
+    return [_at(instant, jitter) for instant in recent]
+
+
+@lru_cache(maxsize=4096)  # as _instants_after: a herd dispatched late asks this of every job
+def _instants_within(expr: str, seed: bytes | None, tz: str | None, lo_s: int, hi_s: int,
+                     limit: int) -> tuple[int, ...]:
+    """The `limit` most recent fire instants in [lo_s, hi_s], ascending."""
+    cron = _parse(expr, seed)
+    zone = validate_zone(tz)
     instants = _fire_instants(cron, zone, _start_down(zone, hi_s), -1)
     down = dropwhile(lambda instant: instant > hi_s, instants)
-    recent = list(islice(takewhile(lambda instant: instant >= lo_s, down), limit))
-    return [_at(instant, jitter) for instant in reversed(recent)]
+    return tuple(reversed(list(islice(takewhile(lambda instant: instant >= lo_s, down), limit))))
 
 
 def misfire_plan(

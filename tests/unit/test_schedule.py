@@ -327,6 +327,19 @@ def test_h_differs_between_jobs_and_fields():
     assert len({parse_cron("H * * * *", job_id=j).minutes for j in MANY_JOBS[:20]}) > 10
 
 
+def test_h_answers_are_each_job_s_own_though_kept_for_the_herd():
+    """Fire times are kept per expression, zone and second (one herd asks them of every
+    job), and per job only where H makes the job matter."""
+    after, late = z("2026-05-01T23:59:00Z"), z("2026-05-02T03:00:00Z")
+    for job_id in (JOB_A, JOB_B, JOB_A):
+        minute, hour = h_value(job_id, 0) % 60, h_value(job_id, 1) % 24
+        due = datetime(2026, 5, 2, hour, minute, tzinfo=UTC)
+        assert fires("H H * * *", "2026-05-01T23:59:00Z", 1, job_id=job_id) == [due]
+        missed = missed_occurrences(Schedule(cron="H H * * *"), after, late + timedelta(days=1),
+                                    job_id=job_id)
+        assert missed == ([due, due + timedelta(days=1)] if due <= late else [due])
+
+
 def test_h_needs_a_job_id_but_thu_does_not():
     with pytest.raises(ScheduleError, match="H needs a job id"):
         next_fire_times(Schedule(cron="H * * * *"), z("2026-01-01T00:00:00Z"))
