@@ -195,8 +195,7 @@ async def test_pending_occurrences_take_their_tenant_for_the_herd_count(empty_db
             "INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id, "
             "scheduled_for, attempt) VALUES (3, '2031-05-03 11:01', '2031-05-03 11:01:30', $1, "
             "$2, '2031-05-03 11:00', 2)", job, uuid.uuid4())
-        applied = await migrate.apply(empty_db)
-        assert applied[0].version == last.version
+        await apply_by_hand(conn, [last])
         rows = await conn.fetch("SELECT execution_id IS NULL AS occurrence, tenant_id "
                                 "FROM due_index ORDER BY next_run_at")
         indexes = {r["indexname"] for r in await conn.fetch(
@@ -204,7 +203,8 @@ async def test_pending_occurrences_take_their_tenant_for_the_herd_count(empty_db
     finally:
         await conn.close()
     assert [tuple(r) for r in rows] == [(False, None), (True, tenant)]
-    # The index the api processes of the release before count on stays while they roll.
+    # The index the api processes of the release before count on stays while they roll
+    # (0012 drops it).
     assert {"due_index_tenant_due", "jobs_tenant_due"} <= indexes
 
 
@@ -244,3 +244,21 @@ async def test_quota_tenants_get_their_live_jobs_counted(empty_db: str) -> None:
     finally:
         await conn.close()
     assert counts == [(limited, 2)]  # the active and the paused one
+
+
+async def test_jobs_next_run_at_leaves_every_index(empty_db: str) -> None:
+    """0012: a cron job's next_run_at moves with each dispatch; no index may hold it, or
+    the move cannot be a HOT update."""
+    await migrate.apply(empty_db)
+    conn = await asyncpg.connect(empty_db)
+    try:
+        indexed = await conn.fetch(
+            "SELECT i.indexrelid::regclass::text AS name FROM pg_index i "
+            "WHERE i.indrelid = 'jobs'::regclass AND (pg_get_indexdef(i.indexrelid) "
+            "LIKE '%next_run_at%' OR coalesce(pg_get_expr(i.indpred, i.indrelid), '') "
+            "LIKE '%next_run_at%')")
+        options = await conn.fetchval("SELECT reloptions FROM pg_class WHERE relname = 'jobs'")
+    finally:
+        await conn.close()
+    assert indexed == []
+    assert "fillfactor=90" in options
