@@ -6,6 +6,7 @@ from datetime import datetime
 
 from herdwick.actors.base import Tick, sync
 from herdwick.actors.scheduler import Scheduler
+from herdwick.actors.sweeper import RECOVERY_GRACE_S
 from herdwick.gateway.submit import prepare
 from herdwick.model import JobSpec, Schedule, Target
 from herdwick.storage import keys
@@ -47,3 +48,17 @@ def queue_job(when: datetime, now: datetime) -> NewJob:
     prepared = prepare(spec, now=now, allow=())
     assert prepared.job is not None, prepared.errors
     return prepared.job
+
+
+async def sweep_after_redis_lost(node: Scheduler, redis_client, key_prefix: str,
+                                 clock) -> int:
+    """The hot tier loses this test's keys (the server is shared); the sweeper sees the
+    loss, gives the workers their grace, then republishes. Returns what its first pass
+    did (the loss seen: nothing yet)."""
+    await redis_client.delete(*[k async for k in redis_client.scan_iter(f"{key_prefix}:*")])
+    clock.advance(60)
+    first = await node.sweeper.run_once()
+    clock.advance(RECOVERY_GRACE_S)
+    await node.sweeper.run_once()
+    await node.settle()  # the pool queue publishes what the sweeper handed it
+    return first

@@ -15,7 +15,7 @@ from herdwick.actors.sweeper import RECOVERY_GRACE_S
 from herdwick.storage import keys
 from herdwick.storage.protocol import Protocol
 from tests.conftest import T0
-from tests.integration.stack import advance, ready, submit
+from tests.integration.stack import advance, ready, submit, sweep_after_redis_lost
 
 SHARD = 7
 
@@ -121,13 +121,8 @@ async def test_the_sweeper_records_what_it_cannot_republish_and_sweeps_the_rest(
     async with db.connection() as conn:
         await conn.execute("UPDATE executions SET scheduled_for = '-infinity' WHERE job_id = $1",
                            bad["jobId"])
-    # The hot tier lost both (this test's keys only: the server is shared).
-    await redis_client.delete(*[k async for k in redis_client.scan_iter(f"{key_prefix}:*")])
-    clock.advance(60)
-    assert await node.sweeper.run_once() == 0  # the loss seen: the workers' turn first
-    clock.advance(RECOVERY_GRACE_S)
-    await node.sweeper.run_once()
-    await node.settle()  # the pool queue publishes what the sweeper handed it
+    # The hot tier lost both; the loss seen, the workers' turn comes first.
+    assert await sweep_after_redis_lost(node, redis_client, key_prefix, clock) == 0
 
     [entry] = await ready(redis_client, key_prefix)
     assert (entry["job_id"], entry["attempt"]) == (good["jobId"], "2")

@@ -13,7 +13,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from herdwick.actors.sweeper import RECOVERY_GRACE_S
 from herdwick.clock import ManualClock
 from herdwick.errors import QuotaExceeded
 from herdwick.model import TenantPatch, TenantSpec
@@ -22,7 +21,7 @@ from herdwick.storage.protocol import Protocol
 from herdwick.storage.sql import q
 from herdwick.storage.tenants import create_tenant, patch_tenant
 from tests.integration.conftest import Api, make_job
-from tests.integration.stack import advance, queue_job, ready
+from tests.integration.stack import advance, queue_job, ready, sweep_after_redis_lost
 
 POOL = "emails"
 
@@ -112,12 +111,7 @@ async def test_rows_the_dispatcher_and_the_sweeper_give_up_on_leave_the_count(
     async with db.connection() as conn:
         await conn.execute("UPDATE executions SET scheduled_for = '-infinity' WHERE job_id = $1",
                            unsweepable["jobId"])
-    await redis_client.delete(*[k async for k in redis_client.scan_iter(f"{key_prefix}:*")])
-    clock.advance(60)
-    await node.sweeper.run_once()
-    clock.advance(RECOVERY_GRACE_S)
-    await node.sweeper.run_once()
-    await node.settle()
+    await sweep_after_redis_lost(node, redis_client, key_prefix, clock)
     async with db.connection() as conn:
         error = await conn.fetchval("SELECT error::text FROM executions WHERE job_id = $1",
                                     unsweepable["jobId"])
