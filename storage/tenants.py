@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
+import time
 import uuid
 from datetime import datetime, timedelta
 
@@ -10,7 +13,7 @@ import msgspec
 
 from herdwick.clock import to_us
 from herdwick.credentials import hash_api_key, new_api_key, new_signing_secret, same_secret
-from herdwick.errors import NotFound
+from herdwick.errors import NotFound, StorageUnavailable
 from herdwick.ids import uuid7
 from herdwick.model import SigningSecret, Tenant, TenantCreated, TenantPatch, TenantSpec
 from herdwick.signing import SigningKeys
@@ -64,29 +67,45 @@ async def get_tenant(db: Database, tenant_id: uuid.UUID) -> Tenant:
     return _tenant(row)
 
 
-async def patch_tenant(db: Database, tenant_id: uuid.UUID, patch: TenantPatch) -> Tenant:
+# Setting a quota recounts under a lock that every submit and completion waits behind
+# once it is asked for: it is asked for this long at a time, again until QUOTA_SET_WITHIN_S,
+# so a long transaction it waits on holds the others back for no longer.
+QUOTA_SET_WITHIN_S = 10.0
+
+
+async def patch_tenant(db: Database, tenant_id: uuid.UUID, patch: TenantPatch, *,
+                       within_s: float = QUOTA_SET_WITHIN_S) -> Tenant:
     def field(value: object) -> tuple[bool, object]:
         return (False, None) if value is msgspec.UNSET else (True, value)
 
     args = (*field(patch.weight), *field(patch.dispatch_rate), *field(patch.max_active_jobs),
             *field(patch.burst), *field(patch.dry_run), *field(patch.durability))
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await _patch_once(db, tenant_id, args, patch.max_active_jobs)
+        except asyncpg.LockNotAvailableError:
+            if time.monotonic() >= deadline:
+                raise StorageUnavailable(
+                    f"setting the quota found transactions in the way for {within_s:g} s; "
+                    "nothing was changed") from None
+            await asyncio.sleep(random.uniform(0.2, 0.5))
+
+
+async def _patch_once(db: Database, tenant_id: uuid.UUID, args: tuple,
+                      max_active_jobs: int | msgspec.UnsetType | None) -> Tenant:
     async with db.transaction() as conn:
         row = await conn.fetchrow(q("patch_tenant"), tenant_id, *args)
         if row is None:
             raise NotFound(f"tenant {tenant_id} does not exist")
-        if patch.max_active_jobs is not msgspec.UNSET:
-            await _recount(conn, tenant_id, patch.max_active_jobs)
+        if max_active_jobs is None:
+            await conn.execute(q("quota_forget"), tenant_id)
+        elif max_active_jobs is not msgspec.UNSET:
+            # An exact live-job count, which the statements that write and end jobs keep
+            # from then on (storage/migrations/0011).
+            await conn.execute(q("quota_changes_lock"))
+            await conn.execute(q("quota_recount"), tenant_id)
     return _tenant(row)
-
-
-async def _recount(conn, tenant_id: uuid.UUID, max_active_jobs: int | None) -> None:
-    """Setting a quota takes an exact live-job count, which the statements that write
-    and end jobs keep from then on (storage/migrations/0011); lifting one drops it."""
-    if max_active_jobs is None:
-        await conn.execute(q("quota_forget"), tenant_id)
-        return
-    await conn.execute(q("quota_changes_lock"))
-    await conn.execute(q("quota_recount"), tenant_id)
 
 
 class TenantLimits(msgspec.Struct, frozen=True, kw_only=True):

@@ -91,7 +91,9 @@ RETURNING live;
 -- Setting a quota counts afresh. This waits for every transaction that has written a
 -- change (every statement that writes or finishes a job names the table) and holds new
 -- ones back until the commit, so the count sees exactly the jobs the changes account for.
--- Self-exclusive, so two such transactions take turns.
+-- Self-exclusive, so two such transactions take turns. Asked for 200 ms at most (the
+-- caller tries again): while it waits, the submits and completions behind it wait too.
+SET LOCAL lock_timeout = '200ms';
 LOCK TABLE quota_changes IN SHARE ROW EXCLUSIVE MODE;
 
 -- name: quota_recount

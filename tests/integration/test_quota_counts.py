@@ -14,12 +14,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from herdwick.clock import ManualClock
-from herdwick.errors import QuotaExceeded
+from herdwick.errors import QuotaExceeded, StorageUnavailable
 from herdwick.model import TenantPatch, TenantSpec
 from herdwick.storage.jobs import NewJob, insert_jobs
 from herdwick.storage.protocol import Protocol
 from herdwick.storage.sql import q
-from herdwick.storage.tenants import create_tenant, patch_tenant
+from herdwick.storage.tenants import create_tenant, get_tenant, patch_tenant
 from tests.integration.conftest import Api, make_job
 from tests.integration.stack import advance, queue_job, ready, sweep_after_redis_lost
 
@@ -163,6 +163,35 @@ async def test_setting_a_quota_waits_for_a_job_ending_in_flight(db, clock) -> No
         await cancel.commit()
         await setting
     assert await counted(db, tenant_id) == (0, 0)
+
+
+async def test_setting_a_quota_gives_up_on_a_transaction_that_stays_in_the_way(
+        db, clock) -> None:
+    """The recount's lock holds every submit and completion back while it waits, so it
+    waits 200 ms at a time; past its deadline the PATCH is 503 and changes nothing."""
+    now = clock.now()
+    tenant_id = (await create_tenant(db, TenantSpec(name="t"), now)).tenant_id
+    await insert_jobs(db, tenant_id, one_job(now), now=now)
+    other = (await create_tenant(db, TenantSpec(name="other"), now)).tenant_id
+    async with db.connection() as conn:
+        job_id = await conn.fetchval("SELECT job_id FROM jobs WHERE tenant_id = $1", tenant_id)
+    async with db.connection() as slow:
+        held = slow.transaction()
+        await held.start()  # a cancel whose commit is slow
+        await slow.fetchrow(q("set_job_state"), tenant_id, job_id, "canceled", None, now, True)
+        setting = asyncio.create_task(
+            patch_tenant(db, tenant_id, TenantPatch(max_active_jobs=9), within_s=3))
+        await waiting_on_a_lock(db)
+        # Another tenant's submit waits out one try at most, not the PATCH's deadline.
+        await insert_jobs(db, other, one_job(now), now=now)
+        assert not setting.done()
+        with pytest.raises(StorageUnavailable, match="nothing was changed"):
+            await setting
+        await held.rollback()
+    assert (await get_tenant(db, tenant_id)).max_active_jobs is None
+    assert (await counted(db, tenant_id))[0] is None
+    await patch_tenant(db, tenant_id, TenantPatch(max_active_jobs=9))
+    assert await counted(db, tenant_id) == (1, 1)
 
 
 async def waiting_on_a_lock(db) -> None:
