@@ -67,9 +67,10 @@ async def get_tenant(db: Database, tenant_id: uuid.UUID) -> Tenant:
     return _tenant(row)
 
 
-# Setting a quota recounts under a lock that every submit and completion waits behind
-# once it is asked for: it is asked for this long at a time, again until QUOTA_SET_WITHIN_S,
-# so a long transaction it waits on holds the others back for no longer.
+# Setting a quota recounts under a lock that every submit and completion queues behind
+# while it is asked for. The statement asks for 200 ms at a time (quota_changes_lock); the
+# PATCH tries again until QUOTA_SET_WITHIN_S, so a long transaction in the lock's way
+# holds the others back 200 ms at a time, not for as long as it lasts.
 QUOTA_SET_WITHIN_S = 10.0
 
 
