@@ -213,7 +213,7 @@ async def test_the_count_holds_through_submits_cancels_and_quota_changes_at_once
     and again: the kept count ends where the jobs are. The last change is a set, with
     submits and cancels after it, and no recount at the end, so what the last recount
     or anything after it missed shows. (Without the recount's lock this failed 1 run in
-    6; test_setting_a_quota_waits_for_a_job_ending_in_flight holds that race open.)"""
+    12; test_setting_a_quota_waits_for_a_job_ending_in_flight holds that race open.)"""
     now = clock.now()
     spec = TenantSpec(name="busy", max_active_jobs=1_000_000)
     tenant_id = (await create_tenant(db, spec, now)).tenant_id
