@@ -19,8 +19,9 @@ async def ready(redis_client, key_prefix: str, pool: str = "emails") -> list[dic
     return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
 
 
-async def submit(api: Api, **overrides) -> dict:
-    resp = await api.submit(make_job(**overrides))
+async def submit(api: Api, key: str | None = None, **overrides) -> dict:
+    """A valid job (make_job with `overrides`) as the default tenant, or `key`'s; its 201."""
+    resp = await api.submit(make_job(**overrides), key=key)
     assert resp.status == 201, await resp.text()
     return await resp.json()
 

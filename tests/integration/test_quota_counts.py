@@ -22,7 +22,7 @@ from herdwick.storage.protocol import Protocol
 from herdwick.storage.sql import q
 from herdwick.storage.tenants import create_tenant, get_tenant, patch_tenant
 from tests.integration.conftest import Api, make_job
-from tests.integration.stack import advance, queue_job, ready, sweep_after_redis_lost
+from tests.integration.stack import advance, queue_job, ready, submit, sweep_after_redis_lost
 
 POOL = "emails"
 
@@ -45,29 +45,19 @@ async def limited(api: Api, quota: int) -> tuple[str, uuid.UUID]:
     return made["apiKey"], uuid.UUID(made["tenantId"])
 
 
-async def submit_as(api: Api, key: str, **overrides) -> dict:
-    resp = await api.submit(make_job(**overrides), key=key)
-    assert resp.status == 201, await resp.text()
-    return await resp.json()
-
-
-async def post(api: Api, key: str, path: str) -> None:
-    resp = await api.client.post(path, headers=api.auth(key))
-    assert resp.status == 200, await resp.text()
-
-
 async def test_the_count_follows_every_way_a_job_stops_being_live(
         api, schedulers, redis_client, key_prefix, clock, db) -> None:
     key, tenant_id = await limited(api, 5)
-    ok = await submit_as(api, key, name="ok", schedule={"delaySeconds": 1})
-    bad = await submit_as(api, key, name="bad", schedule={"delaySeconds": 1})
-    await submit_as(api, key, name="dry", schedule={"delaySeconds": 1}, dryRun=True)
-    paused = await submit_as(api, key, name="paused", schedule={"cron": "0 0 * * *"})
-    await submit_as(api, key, name="kept", schedule={"cron": "0 0 * * *"})
+    ok = await submit(api, key, name="ok", schedule={"delaySeconds": 1})
+    bad = await submit(api, key, name="bad", schedule={"delaySeconds": 1})
+    await submit(api, key, name="dry", schedule={"delaySeconds": 1}, dryRun=True)
+    paused = await submit(api, key, name="paused", schedule={"cron": "0 0 * * *"})
+    await submit(api, key, name="kept", schedule={"cron": "0 0 * * *"})
     assert (await api.submit(make_job(), key=key)).status == 429
     assert await counted(db, tenant_id) == (5, 5)
 
-    await post(api, key, f"/v1/jobs/{paused['jobId']}:pause")
+    resp = await api.client.post(f"/v1/jobs/{paused['jobId']}:pause", headers=api.auth(key))
+    assert resp.status == 200, await resp.text()
     assert await counted(db, tenant_id) == (5, 5)  # paused still counts
     resp = await api.client.delete(f"/v1/jobs/{paused['jobId']}", headers=api.auth(key))
     assert resp.status == 204, await resp.text()
@@ -87,7 +77,7 @@ async def test_the_count_follows_every_way_a_job_stops_being_live(
     assert await counted(db, tenant_id) == (1, 1)
 
     for i in range(4):
-        await submit_as(api, key, name=f"more{i}")
+        await submit(api, key, name=f"more{i}")
     assert (await api.submit(make_job(), key=key)).status == 429
     assert await counted(db, tenant_id) == (5, 5)
 
@@ -97,7 +87,7 @@ async def test_rows_the_dispatcher_and_the_sweeper_give_up_on_leave_the_count(
     """fail_claimed (a due row that cannot be dispatched) and fail_executions (an execution
     the sweeper cannot republish) complete one-offs too."""
     key, tenant_id = await limited(api, 5)
-    unloadable = await submit_as(api, key, name="unloadable", schedule={"delaySeconds": 1})
+    unloadable = await submit(api, key, name="unloadable", schedule={"delaySeconds": 1})
     async with db.connection() as conn:
         await conn.execute("UPDATE due_index SET next_run_at = '-infinity', "
                            "due_minute = '-infinity' WHERE job_id = $1", unloadable["jobId"])
@@ -106,7 +96,7 @@ async def test_rows_the_dispatcher_and_the_sweeper_give_up_on_leave_the_count(
     await node.settle()
     assert await counted(db, tenant_id) == (0, 0)
 
-    unsweepable = await submit_as(api, key, name="unsweepable", schedule={"delaySeconds": 1})
+    unsweepable = await submit(api, key, name="unsweepable", schedule={"delaySeconds": 1})
     await advance(clock, 1, node)
     await node.settle()
     async with db.connection() as conn:
