@@ -100,6 +100,9 @@ async def _patch_once(db: Database, tenant_id: uuid.UUID, args: tuple,
         if row is None:
             raise NotFound(f"tenant {tenant_id} does not exist")
         if max_active_jobs is None:
+            # The submits' quota lock first: quota_forget and a submit's quota_live both
+            # delete the tenant's changes and its count row, in opposite orders.
+            await conn.execute(q("tenant_quota_lock"), tenant_id)
             await conn.execute(q("quota_forget"), tenant_id)
         elif max_active_jobs is not msgspec.UNSET:
             # An exact live-job count, which the statements that write and end jobs keep

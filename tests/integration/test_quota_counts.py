@@ -185,16 +185,42 @@ async def test_setting_a_quota_gives_up_on_a_transaction_that_stays_in_the_way(
     assert await counted(db, tenant_id) == (1, 1)
 
 
-async def waiting_on_a_lock(db) -> None:
-    """Until some other backend of this database waits on a heavyweight lock."""
+async def test_lifting_a_quota_takes_turns_with_a_submits_quota_check(db, clock) -> None:
+    """Lifting deletes the count row and then the changes; a submit's check deletes the
+    changes and then updates the count row. Held at the count row together, the two
+    deadlocked (seen in CI) until lifting took the submits' quota lock first."""
+    now = clock.now()
+    spec = TenantSpec(name="t", max_active_jobs=9)
+    tenant_id = (await create_tenant(db, spec, now)).tenant_id
+    await insert_jobs(db, tenant_id, one_job(now), now=now, max_active_jobs=9)  # a change
+    async with db.connection() as holder:
+        held = holder.transaction()
+        await held.start()
+        await holder.execute("SELECT 1 FROM quota_counts WHERE tenant_id = $1 FOR UPDATE",
+                             tenant_id)
+        lifting = asyncio.create_task(
+            patch_tenant(db, tenant_id, TenantPatch(max_active_jobs=None)))
+        await waiting_on_a_lock(db)
+        submitting = asyncio.create_task(
+            insert_jobs(db, tenant_id, one_job(now), now=now, max_active_jobs=9))
+        await waiting_on_a_lock(db, backends=2)
+        await held.commit()
+        await asyncio.gather(lifting, submitting)
+    assert (await counted(db, tenant_id))[0] is None
+    async with db.connection() as conn:
+        assert await conn.fetchval(q("count_live_jobs"), tenant_id) == 2
+
+
+async def waiting_on_a_lock(db, *, backends: int = 1) -> None:
+    """Until that many other backends of this database wait on a heavyweight lock."""
     async with db.connection() as conn:
         for _ in range(500):
-            if await conn.fetchval("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a "
-                                   "USING (pid) WHERE NOT l.granted "
-                                   "AND a.datname = current_database()"):
+            if await conn.fetchval("SELECT count(DISTINCT pid) FROM pg_locks l "
+                                   "JOIN pg_stat_activity a USING (pid) WHERE NOT l.granted "
+                                   "AND a.datname = current_database()") >= backends:
                 return
             await asyncio.sleep(0.01)
-    raise AssertionError("nothing waited on a lock")
+    raise AssertionError(f"fewer than {backends} backends waited on a lock")
 
 
 async def test_the_count_holds_through_submits_cancels_and_quota_changes_at_once(
