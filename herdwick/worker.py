@@ -1060,9 +1060,7 @@ class Worker:
             else:
                 messages.append(message)
         sent_at = asyncio.get_running_loop().time()
-        # A failed call raises: every message stays pending, for XAUTOCLAIM, and the read
-        # loop pauses before reading again.
-        replies = await calls.lease_many(messages) if messages else []
+        replies = await self._lease(calls, messages) if messages else []
         for message, reply in zip(messages, replies, strict=True):
             settled.append(message.message_id)
             if reply is None:
@@ -1071,6 +1069,19 @@ class Worker:
                 self._spawn(calls, message, _Lease(calls, message, self.lease_s, sent_at))
         if settled:
             calls.ack(settled)
+
+    async def _lease(self, calls: _Calls, messages: list[_Message]) -> list[int | None]:
+        """hw_lease_batch, asked again once if the call failed: Redis may have granted the
+        leases and the reply been lost (a timeout that fired as the loop woke from a
+        pause, a dropped connection). Asked again, a lease this worker holds is renewed,
+        not granted twice; one that lapsed meanwhile is refused, and its handler never
+        runs. A second failure raises: every message stays pending, for XAUTOCLAIM, and
+        the read loop pauses before reading again."""
+        try:
+            return await calls.lease_many(messages)
+        except REDIS_ERRORS as exc:
+            log.warning("lease_call_failed", pool=self.pool, messages=len(messages), error=exc)
+        return await calls.lease_many(messages)
 
     def _spawn(self, calls: _Calls, message: _Message, lease: _Lease) -> None:
         assert self._handler is not None

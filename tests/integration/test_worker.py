@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import herdwick
 from herdwick.storage import keys
@@ -547,6 +548,42 @@ async def test_a_failed_lease_call_leaves_the_batch_pending_until_it_works(
     finally:
         await client.aclose()
         server.stop()
+
+
+async def test_a_lease_granted_but_its_reply_lost_is_asked_for_again(
+        pool: Pool, monkeypatch) -> None:
+    """Seen in the SIGSTOP fault scenario: the lease call in flight when the process
+    stopped ran in Redis, and on waking its read timed out before the reply was read.
+    The worker asks again; the lease it holds is renewed, not granted twice, and runs
+    now, not one lease and a retry later (without a reaper here: never)."""
+    from herdwick import worker as sdk
+
+    lost = []
+    lease_many = sdk._Calls.lease_many
+
+    async def reply_lost_once(self, messages):
+        replies = await lease_many(self, messages)
+        if not lost:
+            lost.append(replies)
+            raise RedisTimeoutError("Timeout reading from 127.0.0.1:6379")
+        return replies
+
+    monkeypatch.setattr(sdk._Calls, "lease_many", reply_lost_once)
+    worker = pool.worker(lease_s=5)
+    runs = []
+
+    @worker.handler
+    async def handle(ctx: herdwick.Context) -> None:
+        runs.append(ctx.attempt)
+
+    execution = make_execution()
+    await pool.publish(execution)
+    async with running(worker):
+        await pool.next_event("completed", execution.execution_id)
+    assert lost and lost[0][0] is not None  # the first call did lease it
+    assert runs == [1]
+    assert [e["type"] for e in await pool.events(execution.execution_id)] == [
+        "leased", "completed"]
 
 
 async def test_a_reply_out_of_contract_fails_that_call_not_the_worker(tmp_path: Path) -> None:
