@@ -47,6 +47,7 @@ import ipaddress
 import os
 import random
 import secrets
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -84,7 +85,7 @@ from herdwick.storage.db import Database
 from herdwick.storage.jobs import NewJob, insert_jobs
 from herdwick.storage.tenants import create_tenant
 from tests.faults import history
-from tests.faults.fault_worker import HANDLER_MS_ENV, LEASE_S_ENV
+from tests.faults.fault_worker import HANDLER_MS_ENV, LEASE_S_ENV, STARTS_ENV
 from tests.faults.receiver import Receiver
 
 SEED_ENV = "HERDWICK_FAULT_SEED"
@@ -329,6 +330,7 @@ class Stack:
         self.http_workers: list[HttpWorkerProcess] = []
         self.receiver: Receiver | None = None  # with http=True
         self.pools: tuple[str, ...] = (POOL,)  # the queue pools the herd is spread over
+        self.starts_dir = Path()  # where the SDK workers note each handler they began
 
     # --- starting --------------------------------------------------------------------
 
@@ -368,12 +370,14 @@ class Stack:
                 HERDWICK_REDIS_URL=scheduler_redis_url or redis_url,
                 HERDWICK_KEY_PREFIX=prefix, HERDWICK_READY_MAX="auto",
                 PYTHONPATH=str(ROOT), **(scheduler_env or {}))
+            stack.starts_dir = Path(exits.enter_context(tempfile.TemporaryDirectory()))
             def worker_env(pool: str) -> dict[str, str]:
                 return child_env(
                     HW_LOADTEST_REDIS_URL=redis_url, HW_LOADTEST_PREFIX=prefix,
                     HW_LOADTEST_POOL=pool, HW_LOADTEST_CONCURRENCY=str(CONCURRENCY),
                     **{LEASE_S_ENV: repr(LEASE_S),
-                       HANDLER_MS_ENV: ",".join(map(str, HANDLER_MS))},
+                       HANDLER_MS_ENV: ",".join(map(str, HANDLER_MS)),
+                       STARTS_ENV: str(stack.starts_dir)},
                     PYTHONPATH=str(ROOT))
             # Each process in a children() of its own, all starting at once: a start is
             # mostly imports, and one after the other they would cost a scenario seconds.
@@ -446,6 +450,12 @@ class Stack:
     def worker_id_of(self, child: Child) -> str:
         """The SDK's default worker id is host:pid:random."""
         return f":{child.pid}:"
+
+    def begun(self, child: Child) -> set[tuple[str, int]]:
+        """(execution_id, attempt) of each handler the worker process began."""
+        path = self.starts_dir / str(child.pid)
+        lines = path.read_text().split() if path.exists() else []
+        return {(lines[i], int(lines[i + 1])) for i in range(0, len(lines) - 1, 2)}
 
     # --- a run -------------------------------------------------------------------------
 
