@@ -57,7 +57,7 @@ the attempt started.)
              job_id, tenant_id and scheduled_for are '' when the hash is gone
 ]]
 
-local LIBRARY_VERSION = '17'
+local LIBRARY_VERSION = '18'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- A done, dead or canceled hash keeps only its attempt and state, for this long:
 -- a late republish of that attempt (a scheduler retrying a publish whose reply it
@@ -170,7 +170,10 @@ hw_publish  KEYS[1] = P:{pool}
 Writes each execution's hot state and XADDs it to P:{pool}:ready, unless
 that attempt (or a later one) was published already: republishing is a
 no-op, so a scheduler may retry a batch safely, and a done or canceled
-attempt is never revived by a late publish of itself.
+attempt is never revived by a late publish of itself. Nor does a later attempt
+follow a done one (library 18): the execution succeeded and its `completed`
+event is on its way to Postgres, which takes it over the sweeper's bump (a
+worker's hw_recover can land between the sweeper's look at Redis and its publish).
 Returns the number of executions added to the stream.
 ]]
 local function hw_publish(keys, args)
@@ -187,8 +190,9 @@ local function hw_publish(keys, args)
     end
     local execution_id, attempt = x[1], x[2]
     local hot = base .. ':x:' .. execution_id
-    local current = tonumber(redis.call('HGET', hot, 'attempt') or '0')
-    if current < tonumber(attempt) then
+    local had = redis.call('HMGET', hot, 'attempt', 'state')
+    local current = tonumber(had[1] or '0')
+    if current < tonumber(attempt) and had[2] ~= 'done' then
       redis.call('HSET', hot, 'attempt', attempt, 'state', 'ready', 'job_id', x[3],
                  'tenant_id', x[4], 'scheduled_for', x[5], 'timeout_seconds', x[7],
                  'max_attempts', x[9], 'backoff_ms', x[10])

@@ -31,6 +31,7 @@ WITH u AS (  -- times arrive as Redis milliseconds
 ), moved AS (
     UPDATE executions e SET
         state = u.state,
+        attempt = u.attempt,
         lease_owner = coalesce(u.lease_owner, e.lease_owner),
         lease_until = CASE WHEN u.state = 'running' THEN u.lease_until END,
         started_at = coalesce(e.started_at, u.started_at),
@@ -40,7 +41,12 @@ WITH u AS (  -- times arrive as Redis milliseconds
         deferrals = e.deferrals + u.deferrals
     FROM u
     WHERE e.execution_id = u.execution_id AND e.scheduled_for = u.scheduled_for
-      AND e.attempt = u.attempt
+      AND (e.attempt = u.attempt
+           -- A success the sweeper bumped past: Redis had lost the attempt, then took a
+           -- worker's completion of it again (hw_recover) before the bump's publish, which
+           -- it therefore refused (hw_publish publishes nothing after a done attempt).
+           -- The later attempt never ran; the success stands.
+           OR (u.state = 'succeeded' AND e.state = 'queued' AND e.attempt > u.attempt))
       -- IS TRUE keeps the partial indexes on state (executions_unfinished, _open) out of
       -- this join: with their predicate in the WHERE, the planner, trusting statistics
       -- from a quiet hour (or none: a new partition), took every unfinished row of the
@@ -78,10 +84,14 @@ WITH u AS (  -- times arrive as Redis milliseconds
         worker_id = coalesce(a.worker_id, EXCLUDED.worker_id),
         started_at = coalesce(a.started_at, EXCLUDED.started_at),
         finished_at = coalesce(EXCLUDED.finished_at, a.finished_at),
-        outcome = CASE WHEN a.outcome IN ('succeeded', 'failed', 'expired', 'canceled',
+        outcome = CASE WHEN a.error->>'type' = 'HotStateLost'
+                            AND EXCLUDED.outcome = 'succeeded' THEN 'succeeded'
+                       WHEN a.outcome IN ('succeeded', 'failed', 'expired', 'canceled',
                                           'deferred')
                        THEN a.outcome ELSE EXCLUDED.outcome END,
-        error = coalesce(EXCLUDED.error, a.error),
+        -- The sweeper's guess (HotStateLost) gives way to the completion it missed.
+        error = CASE WHEN a.error->>'type' = 'HotStateLost' AND EXCLUDED.outcome = 'succeeded'
+                     THEN NULL ELSE coalesce(EXCLUDED.error, a.error) END,
         lease_until = coalesce(a.lease_until, EXCLUDED.lease_until)
 ), retries AS (
     INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id,

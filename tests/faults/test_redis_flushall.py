@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,6 +37,8 @@ from herdwick.actors.sweeper import RECOVERY_GRACE_S
 from herdwick.clock import ManualClock
 from herdwick.config import Settings
 from herdwick.embedded import EmbeddedService, start_redis
+from herdwick.schedule import format_utc
+from herdwick.storage import keys
 from tests.integration.conftest import Api, make_job, tenant_api
 from tests.integration.stack import advance
 
@@ -385,3 +387,85 @@ async def test_completions_redis_lost_before_postgres_had_them_are_sent_again_no
             "SELECT count(*) FROM execution_attempts WHERE outcome = 'succeeded' "
             "AND worker_id LIKE 'worker-%'")
     assert recovered == EARLY_JOBS  # each by the worker that ran it
+
+
+async def test_a_completion_sent_again_as_the_sweeper_republishes_stands(
+        api, node, admin, private_redis, key_prefix, clock, db) -> None:
+    """The race CI found under load: the sweeper looked at Redis (nothing there) and bumped
+    the attempt in Postgres, and a worker's hw_recover of attempt 1 landed before the bump's
+    publish. Redis must not run attempt 2 after a done attempt 1, and Postgres must take
+    attempt 1's success over its bump; before, the job ran twice with both successes
+    recorded. Here the worker is stopped before the loss and its recover is sent at that
+    moment: the same FCALL, with what the worker would send."""
+    worker = herdwick.Worker(private_redis.url, POOL, CONCURRENCY, key_prefix=key_prefix,
+                             worker_id="worker-0", lease_s=LEASE_S, grace_s=1.0)
+    ran: list[tuple[str, int]] = []
+    finish = asyncio.Event()
+
+    @worker.handler
+    async def handle(ctx: herdwick.Context) -> dict:
+        ran.append((ctx.execution_id, ctx.attempt))
+        await finish.wait()
+        return {"ok": True}
+
+    async def until(what: str, done: Callable[[], Awaitable[bool]]) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT_S
+        while not await done():
+            assert loop.time() < deadline, f"not within {WAIT_S} s: {what}"
+            await asyncio.sleep(POLL_S)
+
+    for i in range(5):
+        resp = await api.submit(make_job(name=f"raced-{i}", schedule={"delaySeconds": 1}))
+        assert resp.status == 201, await resp.text()
+    running = asyncio.create_task(worker.run())
+    await advance(clock, 2, node)
+    await node.settle()
+
+    async def leases_in_postgres() -> bool:
+        await node.settle_events()
+        return (await states(db))["running"] == 5
+
+    await until("the five leases in Postgres", leases_in_postgres)
+    await node._core.stop("execution-events")  # behind from here: completions stay in Redis
+    finish.set()
+    events = keys.events_stream(key_prefix, POOL)
+
+    async def completed_in_redis() -> bool:
+        entries = await admin.xrange(events)
+        return sum(f[b"e"].count(b'"completed"') for _, f in entries) == 5
+
+    await until("the five completions in Redis", completed_in_redis)
+    await asyncio.wait_for(worker.stop(), WAIT_S)
+    await running
+
+    async with db.connection() as conn:
+        rows = await conn.fetch("SELECT execution_id, job_id, tenant_id, scheduled_for "
+                                "FROM executions")
+    now_ms = int(clock.now().timestamp() * 1000)
+    completions = [v for r in rows for v in (
+        str(r["execution_id"]), 1, str(r["job_id"]), str(r["tenant_id"]),
+        format_utc(r["scheduled_for"]), now_ms - 50, now_ms, '{"ok": true}')]
+    await lose_everything("flushall", admin, private_redis)
+    await node._core.start("execution-events", node._new_events)
+
+    publish = node.sweeper._publish
+
+    async def recovered_first(pool: str, message) -> None:
+        assert await admin.fcall("hw_recover", 1, keys.pool_base(key_prefix, POOL),
+                                 "worker-0", *completions) == 5
+        await publish(pool, message)
+
+    node.sweeper._publish = recovered_first
+    assert await sweep_after_loss(node, clock) == 5  # bumped in Postgres, sent to publish
+    await node.settle()
+    assert await admin.xlen(keys.ready_stream(key_prefix, POOL)) == 0  # attempt 2 not out
+    node.sweeper._publish = publish
+    after = await drive_until(node, db, lambda s: s["succeeded"] == 5, "attempt 1 stands")
+    assert after == {"succeeded": 5}
+    async with db.connection() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM executions WHERE attempt = 1") == 5
+        attempts = await conn.fetch("SELECT attempt, outcome, error FROM execution_attempts")
+        assert await conn.fetchval("SELECT count(*) FROM jobs WHERE state = 'completed'") == 5
+    assert sorted((a["attempt"], a["outcome"], a["error"]) for a in attempts) == \
+        [(1, "succeeded", None)] * 5
