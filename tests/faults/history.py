@@ -101,12 +101,12 @@ async def check(db: Database, *, allowed_dead: frozenset[str] = frozenset(),
 
     _occurrences_unique(verdict, executions)
     _one_offs(verdict, [j for j in jobs if not j["cron"]], by_job, allowed_dead)
-    _crons(verdict, [j for j in jobs if j["cron"]], by_job, due, now)
+    crons = [j for j in jobs if j["cron"]]
+    _crons(verdict, crons, by_job, due, now)
     for e in executions:
         _attempts(verdict, e, tries.get(e["execution_id"], []), allow_gaps)
-    crons = {j["job_id"] for j in jobs if j["cron"]}
-    just_due = {e["execution_id"] for e in executions
-                if e["job_id"] in crons and e["scheduled_for"] > now - CRON_GRACE}
+    just_due = {e["execution_id"] for j in crons for e in by_job.get(j["job_id"], [])
+                if e["scheduled_for"] > now - CRON_GRACE}
     verdict.fail("executions left queued or running", [
         str(e["execution_id"]) for e in executions
         if e["state"] in ("queued", "running") and e["execution_id"] not in just_due])

@@ -399,12 +399,10 @@ async def test_a_completion_sent_again_as_the_sweeper_republishes_stands(
     moment: the same FCALL, with what the worker would send."""
     worker = herdwick.Worker(private_redis.url, POOL, CONCURRENCY, key_prefix=key_prefix,
                              worker_id="worker-0", lease_s=LEASE_S, grace_s=1.0)
-    ran: list[tuple[str, int]] = []
     finish = asyncio.Event()
 
     @worker.handler
     async def handle(ctx: herdwick.Context) -> dict:
-        ran.append((ctx.execution_id, ctx.attempt))
         await finish.wait()
         return {"ok": True}
 
