@@ -54,6 +54,9 @@ class DrrPolicy:
     def __init__(self, weight_of: Callable[[str], int] | None = None) -> None:
         self._weight_of = weight_of or (lambda tenant: DEFAULT_WEIGHT)
         self._heaps: dict[str, list[int]] = {}
+        # Each heap's largest item added, an upper bound however items leave: once it is
+        # below the bound the whole heap is due, counted in O(1) (a herd's every round).
+        self._top: dict[str, int] = {}
         self._ring: deque[str] = deque()  # tenants with work, in visiting order
         self._deficit: dict[str, float] = {}
         self._resuming = False  # the ring's head is mid-turn: no new quantum at its next visit
@@ -65,6 +68,9 @@ class DrrPolicy:
             heap = self._heaps[tenant] = []
             self._ring.append(tenant)  # a newcomer is visited within one pass
             self._deficit[tenant] = 0.0
+            self._top[tenant] = item
+        elif item > self._top[tenant]:
+            self._top[tenant] = item
         heapq.heappush(heap, item)
         self.backlog += 1
 
@@ -81,12 +87,14 @@ class DrrPolicy:
 
     def due(self, bound=NO_BOUND, limit: int = 1 << 62) -> int:
         """How many items are below `bound` (due), up to `limit`."""
-        found = 0
-        for heap in self._heaps.values():
-            if heap[0] < bound:
+        found, top = 0, self._top
+        for tenant, heap in self._heaps.items():
+            if top[tenant] < bound:
+                found += len(heap)
+            elif heap[0] < bound:
                 found += count_below(heap, bound, limit - found)
-                if found >= limit:
-                    break
+            if found >= limit:
+                return limit
         return found
 
     def earliest(self) -> int | None:
@@ -158,6 +166,7 @@ class DrrPolicy:
             self._resuming = False
         self._ring.remove(tenant)
         del self._heaps[tenant]
+        del self._top[tenant]
         del self._deficit[tenant]  # DRR: an emptied queue keeps no credit
 
     def _weight(self, tenant: str) -> int:

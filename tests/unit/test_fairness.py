@@ -156,3 +156,31 @@ def test_due_counts_below_the_bound_in_any_heap_shape() -> None:
         want = sum(v < bound for v in values)
         assert count_below(heap, bound, 1 << 30) == want
         assert count_below(heap, bound, 5) == min(want, 5)
+
+
+@pytest.mark.parametrize("policy_type", [DrrPolicy, FifoPolicy])
+def test_due_agrees_with_a_count_of_every_item_through_adds_takes_and_drops(policy_type) -> None:
+    # DrrPolicy counts a tenant whose every item is due without walking its heap, by an
+    # upper bound of its items kept as they come and go.
+    rng = random.Random(11)
+    policy = policy_type()
+    held: list[int] = []
+    for _ in range(2_000):
+        step = rng.random()
+        if step < 0.5:
+            work = item(rng.randrange(200), rng.randrange(1 << 20))
+            policy.add(rng.choice("abcd"), work)
+            held.append(work)
+        elif step < 0.8:
+            taken = policy.take(rng.randrange(1, 30), bound=item(rng.randrange(220)))
+            for _, work in taken:
+                held.remove(work)
+        elif step < 0.85:
+            parity = rng.randrange(2)
+            dropped = policy.drop(lambda w, parity=parity: w & 1 == parity)
+            held = [w for w in held if w not in set(dropped)]
+        bound = item(rng.randrange(220))
+        want = sum(w < bound for w in held)
+        assert policy.due(bound) == want
+        assert policy.due(bound, limit=7) == min(want, 7)
+        assert policy.backlog == len(held)
