@@ -292,16 +292,19 @@ WORKER_PREFIX_ENV = "HW_LOADTEST_PREFIX"
 WORKER_POOL_ENV = "HW_LOADTEST_POOL"
 WORKER_CONCURRENCY_ENV = "HW_LOADTEST_CONCURRENCY"
 WORKER_HANDLER_MS_ENV = "HW_LOADTEST_HANDLER_MS"
+WORKER_FAIL_FIRST_ENV = "HW_LOADTEST_FAIL_FIRST"
 
 
 def worker_processes(count: int, app: str, redis_url: str, prefix: str, pool: str,
                      concurrency: int, handler_ms: float = 0.0, metrics_port: int | None = None,
+                     fail_first: bool = False,
                      ) -> contextlib.AbstractAsyncContextManager[list[WorkerProcess]]:
     """`count` processes of `herdwick worker APP` (e.g. herdwick.loadtest.noop_worker:worker)
-    on one pool."""
+    on one pool; with `fail_first`, the no-op handler raises on each first attempt."""
     env = child_env(**{WORKER_REDIS_URL_ENV: redis_url, WORKER_PREFIX_ENV: prefix,
                        WORKER_POOL_ENV: pool, WORKER_CONCURRENCY_ENV: str(concurrency),
-                       WORKER_HANDLER_MS_ENV: repr(handler_ms)})
+                       WORKER_HANDLER_MS_ENV: repr(handler_ms),
+                       WORKER_FAIL_FIRST_ENV: "1" if fail_first else ""})
     return children(WorkerProcess, count, ["worker", app], env, metrics_port)
 
 

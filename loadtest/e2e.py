@@ -63,6 +63,7 @@ from herdwick.loadtest.measure import (
     database_of,
     lease_lags_by_kind,
     redis_pids,
+    retry_gaps,
     server_infos,
 )
 from herdwick.loadtest.outcomes import History, Outcomes, drain, history_of, uuid7_floor
@@ -70,10 +71,13 @@ from herdwick.loadtest.report import Progress, add_report_flags, memory_line
 from herdwick.loadtest.timeline import Timeline, leases_per_second
 from herdwick.loadtest.writes import WriteProfile, after_move, profile, render_lines, snapshot
 from herdwick.loadtest.writes import inserted as writes_settled
+from herdwick.model import RetryPolicy
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
 
 WORKER_APP = "herdwick.loadtest.noop_worker:worker"
+# --fail-first: a second attempt after a 1 s backoff, its delay drawn from [0.5, 1] s.
+FAIL_FIRST_RETRY = RetryPolicy(max_attempts=2, backoff_seconds=1)
 
 # The tool's own statements on its scratch database, as in loadtest/measure.py.
 _XACTS_SQL = "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
@@ -92,6 +96,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     schedulers: Annotated[int, Meta(ge=1, le=16)] = 1
     timeout_s: Annotated[float, Meta(gt=0, le=3_600)] = 180.0
     cron: bool = False  # every job a cron job (loadtest/jobs.py cron_schedule)
+    fail_first: bool = False  # every first attempt fails; each job retries once (FAIL_FIRST_RETRY)
 
 
 class Steady(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,6 +127,10 @@ class Report(msgspec.Struct, kw_only=True):
     pg_transactions_per_execution: float
     redis_commands_per_execution: float
     history: History
+    # With --fail-first: executions whose first attempt failed, and from that failure to the
+    # next attempt's lease, ms (min, p50, p99, max): the drawn delay, then how late it began.
+    retried: int = 0
+    retry_gap_ms: dict[str, float] | None = None
     # CPU seconds by kind of process (scheduler, worker, redis, postgres, harness) from just
     # before the move (or the steady start) until drained, and per execution in us.
     cpu: KindsCpu | None = None
@@ -153,6 +162,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="every job a cron job (hourly, Europe/London) whose first occurrence is its due "
       "time, so dispatch also computes and writes each one's next occurrence, as in a "
       "top-of-the-hour herd; default: one-off jobs")
+    a("--fail-first", action="store_true",
+      help="every job's first attempt fails (the handler raises) and its retry, 1 s of "
+      "backoff later, succeeds: the report adds how long from each failure to its retry's "
+      "lease; default: every attempt succeeds")
     a("--due-in", type=float, default=6.0,
       help="seconds from the move to the due second; default 6")
     a("--timeout", type=float, default=180.0,
@@ -171,7 +184,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
             {"jobs": args.jobs, "tenants": args.tenants, "due_in_s": args.due_in,
              "rate": args.rate, "duration_s": args.duration, "delay_s": args.delay,
              "schedulers": args.schedulers, "timeout_s": args.timeout,
-             "cron": args.cron}, Plan)
+             "cron": args.cron, "fail_first": args.fail_first}, Plan)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"loadtest e2e: {exc}") from None
     if plan.jobs == 0 and plan.rate == 0:
@@ -242,7 +255,8 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
                    progress: Progress) -> Report:
     pool = pool_names(1)[0]
     tenants = await create_tenants(db, plan.tenants)
-    factory = JobFactory([pool], cron=plan.cron)
+    factory = JobFactory([pool], cron=plan.cron,
+                         **({"retry": FAIL_FIRST_RETRY} if plan.fail_first else {}))
     parked = await _insert_herd(db, plan, factory, tenants, progress)
     port = args.metrics_port
     if port is not None:
@@ -254,7 +268,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
             worker_processes(args.workers, WORKER_APP, args.redis_url, prefix, pool,
                              args.concurrency,
                              metrics_port=None if port is None else port + plan.schedulers,
-                             ) as workers:
+                             fail_first=plan.fail_first) as workers:
         await leases_settled(db, procs, deadline)
         await writes_settled(db, plan.jobs)  # before the window: the inserts' counters
         kinds = {"scheduler": [p.pid for p in procs], "worker": [w.pid for w in workers]}
@@ -287,6 +301,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         spent = (await server_counts(db, client)).minus(before)
         lags = await lease_lags_by_kind(db, steady_from)
         history = await history_of(db)
+        retried, gap = await retry_gaps(db) if plan.fail_first else (0, None)
         origin = due or steady_start
         timeline = Timeline(
             origin=origin, x_label="s after the herd's due second" if due
@@ -315,7 +330,8 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         streams=sampler.streams(), redis_memory=sampler.memory(),
         pg_transactions_per_execution=round(xacts / executions, 3),
         redis_commands_per_execution=round(commands / executions, 3),
-        history=history, cpu=cpu, peak_rss_mb=peak_rss, timeline=timeline,
+        history=history, retried=retried, retry_gap_ms=gap, cpu=cpu, peak_rss_mb=peak_rss,
+        timeline=timeline,
         cpu_us_per_execution={kind: round(v * 1000, 1)
                               for kind, v in cpu.per_1000(executions).items()},
         writes=writes)
@@ -351,8 +367,10 @@ def _cpu_lines(r: Report) -> list[str]:
 
 
 def render_text(r: Report) -> str:
+    handler = ("a handler that fails each first attempt" if r.retry_gap_ms is not None
+               else "a no-op handler")
     lines = [f"herdwick loadtest e2e: {r.schedulers} scheduler, {r.workers} worker "
-             f"process(es) with a no-op handler; {r.succeeded} executions succeeded"]
+             f"process(es) with {handler}; {r.succeeded} executions succeeded"]
     if r.lease_lag_ms is not None:
         lines += [f"  herd: {r.jobs} {'cron' if r.cron else 'one-off'} jobs due in one second",
                   f"    all succeeded in Postgres {r.last_succeeded_after_due_s} s after due "
@@ -364,6 +382,10 @@ def render_text(r: Report) -> str:
                   f"    all {s.succeeded} succeeded in Postgres "
                   f"{s.last_succeeded_after_last_due_s} s after the last due time",
                   _lag_line(s.lease_lag_ms)]
+    if (g := r.retry_gap_ms) is not None:
+        lines += [f"  retries: {r.retried} first attempts failed; from the failure to the "
+                  f"retry's lease, ms: min {g['min']}  p50 {g['p50']}  p99 {g['p99']}  "
+                  f"max {g['max']} (the drawn delay alone: 500-1000)"]
     st = r.streams
     lines += _cpu_lines(r)
     lines += [
@@ -413,6 +435,9 @@ def headline(r: Report) -> list[tuple[str, str]]:
     if (s := r.steady) is not None:
         found += [("steady: rate", f"{s.rate_per_s:g} jobs/s for {s.duration_s:g} s"),
                   ("steady: due -> lease p50 / p99 / max ms", _lags(s.lease_lag_ms))]
+    if (g := r.retry_gap_ms) is not None:
+        found += [("retries: failure -> retry's lease p50 / p99 / max ms",
+                   f"{g['p50']} / {g['p99']} / {g['max']}")]
     if r.cpu_us_per_execution:
         found += [("CPU per execution, us (scheduler / worker / redis / postgres)",
                    " / ".join(f"{r.cpu_us_per_execution.get(k, 0):g}"

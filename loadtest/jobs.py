@@ -20,7 +20,7 @@ import msgspec
 from herdwick.gateway.submit import prepare
 from herdwick.ids import shard_of, uuid7
 from herdwick.loadtest.driver import RunFailed
-from herdwick.model import JobSpec, Schedule, Target, TenantSpec
+from herdwick.model import DEFAULT_RETRY, JobSpec, RetryPolicy, Schedule, Target, TenantSpec
 from herdwick.ssrf import Network
 from herdwick.storage.db import Database
 from herdwick.storage.jobs import NewJob, due_minute, insert_jobs
@@ -82,13 +82,14 @@ class JobFactory:
     """
 
     def __init__(self, pools: Sequence[str] = (), *, urls: Sequence[str] = (),
-                 allow: tuple[Network, ...] = (), cron: bool = False) -> None:
+                 allow: tuple[Network, ...] = (), cron: bool = False,
+                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
         now = datetime.now(UTC)
         schedule = cron_schedule(now) if cron else Schedule(delay_seconds=60)
-        self._templates = [_template(Target(type="queue", ref=pool), now, (), schedule)
-                           for pool in pools]
+        self._templates = [_template(Target(type="queue", ref=pool), now, (), schedule,
+                                     retry=retry) for pool in pools]
         self._templates += [_template(Target(type="http", ref=url), now, allow, schedule,
-                                      "loadtest-http") for url in urls]
+                                      "loadtest-http", retry) for url in urls]
 
     def make(self, index: int, due: datetime, now: datetime) -> NewJob:
         job_id = uuid7(now)
@@ -104,8 +105,9 @@ def cron_schedule(now: datetime) -> Schedule:
 
 
 def _template(target: Target, now: datetime, allow: tuple[Network, ...], schedule: Schedule,
-              name: str = "loadtest-herd") -> NewJob:
-    spec = JobSpec(name=name, target=target, schedule=schedule, payload=msgspec.Raw(PAYLOAD))
+              name: str = "loadtest-herd", retry: RetryPolicy = DEFAULT_RETRY) -> NewJob:
+    spec = JobSpec(name=name, target=target, schedule=schedule, payload=msgspec.Raw(PAYLOAD),
+                   retry=retry)
     prepared = prepare(spec, now=now, allow=allow)
     if prepared.job is None:
         raise RunFailed(f"the job template does not validate: {prepared.errors}")

@@ -522,6 +522,15 @@ SELECT e.job_id >= $1 AS steady,
            AS lag_ms,
        max(e.scheduled_for) AS last_due
 FROM executions e WHERE e.started_at IS NOT NULL GROUP BY 1"""
+# Each execution's failed first attempt to its second's lease: the drawn delay and how late
+# the retry started after it.
+_RETRY_GAP = """
+SELECT count(*) AS retried,
+       percentile_disc(ARRAY[0.0, 0.5, 0.99, 1.0]) WITHIN GROUP (
+           ORDER BY extract(epoch FROM b.started_at - a.finished_at) * 1000) AS gap_ms
+FROM execution_attempts a
+JOIN execution_attempts b ON b.execution_id = a.execution_id AND b.attempt = a.attempt + 1
+WHERE a.attempt = 1 AND a.outcome = 'failed' AND b.started_at IS NOT NULL"""
 _LAG_BY_TENANT = f"""
 SELECT e.tenant_id, count(*) FILTER (WHERE e.state = 'succeeded') AS succeeded,
        count(*) AS started,
@@ -551,6 +560,16 @@ async def lease_lags_by_kind(db: Database, steady_from: uuid.UUID) -> dict[bool,
                                                 strict=True)),
                                     last_due=row["last_due"])
             for row in rows}
+
+
+async def retry_gaps(db: Database) -> tuple[int, dict[str, float]]:
+    """Over every execution whose first attempt failed: (how many, {min, p50, p99, max} ms
+    from that failure to the next attempt's lease)."""
+    async with db.connection() as conn:
+        row = await conn.fetchrow(_RETRY_GAP)
+    values = row["gap_ms"] or (0, 0, 0, 0)
+    return row["retried"], dict(zip(("min", "p50", "p99", "max"),
+                                    [round(float(v)) for v in values], strict=True))
 
 
 class TenantLeases(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,6 +16,12 @@ worker = Worker(os.environ.get("HW_LOADTEST_REDIS_URL", "redis://127.0.0.1:6379/
                 key_prefix=os.environ.get("HW_LOADTEST_PREFIX", "hw"))
 
 
+# `loadtest e2e --fail-first`: each first attempt fails, so every job runs a retry.
+FAIL_FIRST = os.environ.get("HW_LOADTEST_FAIL_FIRST") == "1"
+
+
 @worker.handler
 async def noop(ctx: Context) -> None:
+    if FAIL_FIRST and ctx.attempt == 1:
+        raise RuntimeError("a first attempt fails (loadtest e2e --fail-first)")
     return None

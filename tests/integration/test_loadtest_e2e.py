@@ -145,3 +145,17 @@ async def test_the_lag_histogram_moves_on_metrics_port_during_a_run(services) ->
     # The run ends as the last success reaches Postgres, so the last scrape may come just
     # before the last few leases are counted.
     assert 300 <= max(counts) <= 400, counts
+
+
+async def test_fail_first_makes_every_job_retry_once_and_times_each_retry(services) -> None:
+    args = e2e_args(services, "--jobs", "100", "--due-in", "3", "--fail-first")
+    report = await e2e.run(args, Progress(None))
+    assert report.succeeded == report.jobs == 100
+    assert report.history == e2e.History(succeeded_without_start=0, attempts_left_running=0)
+    assert report.retried == 100
+    gap = report.retry_gap_ms
+    # No retry is leased before the delay hw_fail drew for it (at least half the backoff).
+    assert gap is not None and 500 <= gap["min"] <= gap["p50"] <= gap["p99"] <= gap["max"]
+    text = e2e.render_text(report)
+    assert "a handler that fails each first attempt" in text
+    assert "retries: 100 first attempts failed" in text
