@@ -7,19 +7,15 @@ the Redis server's clock, so this module's fake clock starts at real time.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from datetime import UTC, datetime
 
 import msgspec
 import pytest
-from redis.exceptions import ConnectionError as RedisConnectionError
 
-from herdwick.actors import shard as shards
 from herdwick.actors.sweeper import RECOVERY_GRACE_S
 from herdwick.clock import ManualClock
-from herdwick.ids import shard_of
 from herdwick.storage import keys
 from herdwick.storage.protocol import Protocol
 from tests.integration.conftest import Api
@@ -142,56 +138,6 @@ async def test_a_poison_job_reaches_dead_letters_with_growing_gaps(
     assert (replayed["execution_id"], replayed["attempt"]) == (eid, "4")
     again = await api.client.post(f"/v1/executions/{eid}:retry", headers=api.auth())
     assert again.status == 409
-
-
-async def failed_once(api, node, protocol, redis_client, key_prefix, clock):
-    """A one-off published, leased and failed at attempt 1 with a 1 s backoff; -> its
-    retry's heap key, its shard's actor (`notified` cleared before the failure) and its
-    execution id."""
-    job = await submit(api, schedule={"delaySeconds": 1},
-                       retry={"maxAttempts": 2, "backoffSeconds": 1})
-    await due_and_published(node, clock)
-    eid = (await latest(redis_client, key_prefix))["execution_id"]
-    job_id = uuid.UUID(job["jobId"])
-    shard = node.shard(shard_of(job_id))
-    shard.notified.clear()  # the submit's own notify has come and gone
-    assert await protocol.lease(POOL, "w", 30, eid, 1) is not None
-    retry_at_ms = await protocol.fail(POOL, eid, 1, "w", '{"type": "Boom", "message": "x"}',
-                                      True)
-    return shards.entry(int(retry_at_ms) * 1000, job_id.int), shard, eid
-
-
-def took(shard, key: int) -> bool:
-    """In the heap, or already popped for its due time."""
-    return key in shard._members or key in shard._recent
-
-
-async def test_a_retry_goes_into_its_shard_s_heap_as_it_commits_not_at_the_next_load(
-        api, schedulers, protocol, redis_client, key_prefix, clock) -> None:
-    # A retry due before the shard's next load would otherwise start that much late.
-    node = await schedulers()
-    key, shard, _ = await failed_once(api, node, protocol, redis_client, key_prefix, clock)
-    await node.settle_events()  # the clock stands still: no shard loads meanwhile
-    await asyncio.wait_for(shard.notified.wait(), 5)
-    assert took(shard, key)
-
-
-async def test_a_retry_whose_notify_is_lost_is_found_by_the_next_load(
-        api, schedulers, protocol, redis_client, key_prefix, clock, monkeypatch) -> None:
-    node = await schedulers()
-
-    async def lost(messages) -> None:
-        raise RedisConnectionError("publish failed")
-
-    monkeypatch.setattr(node.events._hot, "notify", lost)
-    key, shard, eid = await failed_once(api, node, protocol, redis_client, key_prefix, clock)
-    await node.settle_events()
-    assert (await execution(api, eid))["state"] == "retry_wait"  # committed and acked all
-    assert await redis_client.xrange(keys.events_stream(key_prefix, POOL)) == []  # the same
-    assert not took(shard, key)
-    await due_and_published(node, clock, shards.LOAD_INTERVAL_S + 1)
-    retried = await latest(redis_client, key_prefix)
-    assert (retried["execution_id"], retried["attempt"]) == (eid, "2")
 
 
 async def test_retry_delays_grow_exponentially_within_their_window(
