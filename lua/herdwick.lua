@@ -57,7 +57,7 @@ the attempt started.)
              job_id, tenant_id and scheduled_for are '' when the hash is gone
 ]]
 
-local LIBRARY_VERSION = '18'
+local LIBRARY_VERSION = '19'
 local HOT_TTL_MS = 7 * 24 * 3600 * 1000
 -- A done, dead or canceled hash keeps only its attempt and state, for this long:
 -- a late republish of that attempt (a scheduler retrying a publish whose reply it
@@ -69,7 +69,8 @@ local TERMINAL_TTL_MS = 60 * 1000
 -- come for that attempt is a publish retried after a lost reply, within seconds.
 local SETTLED_TTL_MS = 10 * 1000
 local SPENT_FIELDS = {'lease_owner', 'lease_until', 'job_id', 'tenant_id', 'scheduled_for',
-                      'timeout_seconds', 'max_attempts', 'backoff_ms', 'leased_at', 'retry_at'}
+                      'timeout_seconds', 'max_attempts', 'backoff_ms', 'leased_at', 'retry_at',
+                      'deferred'}
 local RETRY_CAP_MS = 3600 * 1000
 local EXPIRED_ERROR = '{"type":"LeaseExpired","message":"lease expired"}'
 local PUBLISH_FIELDS = 10  -- and an optional 11th, the http target's URL
@@ -232,7 +233,8 @@ local LEASE_LOST = {ok = 'LEASE_LOST'}  -- status replies, as redis.status_reply
 local OK = {ok = 'OK'}
 local DEAD = {ok = 'DEAD'}
 local HOT_FIELDS = {'attempt', 'state', 'lease_owner', 'lease_until', 'job_id', 'tenant_id',
-                    'scheduled_for', 'max_attempts', 'backoff_ms', 'leased_at', 'lapsed'}
+                    'scheduled_for', 'max_attempts', 'backoff_ms', 'leased_at', 'lapsed',
+                    'deferred'}
 
 -- A malformed argument is the caller's bug, not a lost lease: an error reply.
 local function bad_arg(fn, what)
@@ -358,10 +360,11 @@ local function jitter(execution_id, us)
   return (h + us * 2654435761) % 4294967296
 end
 
--- Delay before attempt + 1: uniform in [d/2, d], d = backoff_ms * 2^(attempt-1)
--- capped at RETRY_CAP_MS (the cap applies to d, before the jitter).
-local function retry_delay_ms(backoff_ms, attempt, execution_id, us)
-  local d = math.floor(math.min(backoff_ms * 2 ^ (attempt - 1), RETRY_CAP_MS))
+-- Delay before the next attempt: uniform in [d/2, d], d = backoff_ms * 2^(tried-1), tried
+-- the attempts made less those deferred, capped at RETRY_CAP_MS (the cap applies to d,
+-- before the jitter).
+local function retry_delay_ms(backoff_ms, tried, execution_id, us)
+  local d = math.floor(math.min(backoff_ms * 2 ^ (tried - 1), RETRY_CAP_MS))
   local low = math.ceil(d / 2)
   return low + jitter(execution_id, us) % (d - low + 1)
 end
@@ -382,7 +385,8 @@ local function settle_failure(base, kind, execution_id, h, worker_id, error_json
   if deferred then
     local retry_at = now + least_ms
     redis.call('HSET', hot, 'state', 'retry_wait', 'retry_at', fmt(retry_at),
-               'max_attempts', fmt(max_attempts + 1))
+               'max_attempts', fmt(max_attempts + 1),
+               'deferred', fmt((tonumber(h.deferred) or 0) + 1))
     extra[#extra + 1], extra[#extra + 2] = 'outcome', 'retry'
     extra[#extra + 1], extra[#extra + 2] = 'retry_at_ms', fmt(retry_at)
     extra[#extra + 1], extra[#extra + 2] = 'deferred', '1'
@@ -393,7 +397,10 @@ local function settle_failure(base, kind, execution_id, h, worker_id, error_json
     reply = DEAD
   else
     local backoff_ms = tonumber(h.backoff_ms) or 0
-    local delay = math.max(retry_delay_ms(backoff_ms, attempt, execution_id, us), least_ms)
+    -- Deferred attempts were never tried: the backoff grows with the tried ones alone (a
+    -- hash rebuilt after Redis lost its data no longer knows them, and counts them again).
+    local tried = math.max(1, attempt - (tonumber(h.deferred) or 0))
+    local delay = math.max(retry_delay_ms(backoff_ms, tried, execution_id, us), least_ms)
     local retry_at = now + delay
     redis.call('HSET', hot, 'state', 'retry_wait', 'retry_at', fmt(retry_at))
     extra[#extra + 1], extra[#extra + 2] = 'outcome', 'retry'

@@ -157,6 +157,35 @@ async def test_retry_delays_grow_exponentially_within_their_window(
         await due_and_published(node, clock, d_ms / 1000 + 1)
 
 
+async def test_deferred_attempts_do_not_grow_the_backoff(
+        api, schedulers, protocol, redis_client, key_prefix, clock) -> None:
+    # A deferral is not a try: after three, the first failure draws the first try's delay
+    # (2-4 s with a 4 s backoff), not the fourth's (16-32 s), as an outage's deferrals
+    # would otherwise push a job's next retry out by up to an hour.
+    await submit(api, schedule={"delaySeconds": 1}, retry={"maxAttempts": 2, "backoffSeconds": 4})
+    node = await schedulers()
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    base = keys.pool_base(key_prefix, POOL)
+    for attempt in (1, 2, 3):
+        await protocol.lease(POOL, "w", 30, eid, attempt)
+        assert isinstance(await redis_client.fcall(
+            "hw_fail", 1, base, eid, attempt, "w", '{"message": "busy"}', "1", "100", "1"), int)
+        await node.settle_events()
+        await due_and_published(node, clock, 2)
+        assert (await latest(redis_client, key_prefix))["attempt"] == str(attempt + 1)
+    await protocol.lease(POOL, "w", 30, eid, 4)
+    retry_at_ms = await protocol.fail(POOL, eid, 4, "w", '{"message": "x"}', True)
+    [(_, fields)] = (await redis_client.xrange(keys.events_stream(key_prefix, POOL)))[-1:]
+    failed_at_ms = int(msgspec.json.decode(fields[b"e"])["at_ms"])
+    assert 2000 <= retry_at_ms - failed_at_ms <= 4000
+    # The second try fails for good: maxAttempts counts tries, deferrals aside.
+    await node.settle_events()
+    await due_and_published(node, clock, 5)
+    await protocol.lease(POOL, "w", 30, eid, 5)
+    assert await protocol.fail(POOL, eid, 5, "w", '{"message": "x"}', True) == "DEAD"
+
+
 async def test_a_report_that_is_not_json_is_kept_as_text_and_blocks_nothing(
         api, schedulers, redis_client, key_prefix, clock) -> None:
     # Another language's worker may report anything; one bad report must not fail every batch.
