@@ -71,7 +71,7 @@ from herdwick.loadtest.report import Progress, add_report_flags, memory_line
 from herdwick.loadtest.timeline import Timeline, leases_per_second
 from herdwick.loadtest.writes import WriteProfile, after_move, profile, render_lines, snapshot
 from herdwick.loadtest.writes import inserted as writes_settled
-from herdwick.model import RetryPolicy
+from herdwick.model import DEFAULT_RETRY, RetryPolicy
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
 
@@ -256,7 +256,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
     pool = pool_names(1)[0]
     tenants = await create_tenants(db, plan.tenants)
     factory = JobFactory([pool], cron=plan.cron,
-                         **({"retry": FAIL_FIRST_RETRY} if plan.fail_first else {}))
+                         retry=FAIL_FIRST_RETRY if plan.fail_first else DEFAULT_RETRY)
     parked = await _insert_herd(db, plan, factory, tenants, progress)
     port = args.metrics_port
     if port is not None:
