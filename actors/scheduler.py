@@ -111,7 +111,8 @@ class Scheduler:
 
     async def start(self) -> Scheduler:
         self.db = self._given_db or await Database.connect(
-            self.settings.database_url, max_size=DB_POOL_MAX, generic_plans=True)
+            self.settings.database_url, max_size=self.settings.db_pool_max or DB_POOL_MAX,
+            generic_plans=True)
         async with self.db.connection() as conn:
             await migrate.check(conn)
         client = self._given_redis or redis_client.connect(self.settings.redis_url)

@@ -55,7 +55,8 @@ def create_app(settings: Settings, *, clock: Clock | None = None, db: Database |
                           client_max_size=BATCH_BODY_CAP)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
-        database = db or await Database.connect(settings.database_url, max_size=DB_POOL_MAX)
+        database = db or await Database.connect(
+            settings.database_url, max_size=settings.db_pool_max or DB_POOL_MAX)
         client = redis
         if client is None and settings.redis_url:
             client = redis_client.connect(settings.redis_url)

@@ -45,11 +45,13 @@ _SETTING_HELP = {
                       "archived (default 30)",
     "archive_url": "where they are archived: a directory, file:// or s3://bucket/prefix "
                    "(default ./archive)",
+    "db_pool_max": "most Postgres connections this process opens (default: api 20, "
+                   "scheduler 16; at least 4)",
     "archive_s3_endpoint": "an S3-compatible server's URL for s3:// archives (default: AWS, "
                            "or $AWS_ENDPOINT_URL)",
 }
 # The settings each command reads; a command shows only these flags.
-_SERVICE = ("database_url", "redis_url", "key_prefix")
+_SERVICE = ("database_url", "redis_url", "key_prefix", "db_pool_max")
 _ARCHIVE = ("retention_days", "archive_url", "archive_s3_endpoint")
 _USES = {
     "dev": tuple(ENV),
@@ -360,6 +362,11 @@ def _settings(args: argparse.Namespace) -> Settings:
             overrides["herd_warn_jobs"] = int(overrides["herd_warn_jobs"])
         except ValueError:
             raise ConfigError("--herd-warn-jobs must be a whole number of jobs") from None
+    if overrides.get("db_pool_max") is not None:
+        try:
+            overrides["db_pool_max"] = int(overrides["db_pool_max"])
+        except ValueError:
+            raise ConfigError("--db-pool-max must be a whole number of connections") from None
     if overrides.get("read_max_lag_s") is not None:
         try:
             overrides["read_max_lag_s"] = float(overrides["read_max_lag_s"])

@@ -35,6 +35,10 @@ DEFAULT_ARCHIVE_URL = "./archive"
 # a span the marks cover.
 DEFAULT_READ_MAX_LAG_S = 5.0
 MAX_READ_LAG_S = 60.0
+# HERDWICK_DB_POOL_MAX's floor: the scheduler's dispatch actors, event folder and shard
+# loads each hold a connection at once, and fewer would make them take turns.
+MIN_DB_POOL_MAX = 4
+MAX_DB_POOL_MAX = 1000
 # A read URL starts where a postgres scheme follows a comma: a comma elsewhere belongs to
 # the URL (a multi-host DSN, which a read URL may not be, is then refused by name).
 _READ_URL_SPLIT = re.compile(r",\s*(?=postgres(?:ql)?://)")
@@ -67,11 +71,16 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     retention_days: int = DEFAULT_RETENTION_DAYS  # executions older than this leave by whole days
     archive_url: str = DEFAULT_ARCHIVE_URL  # where they are archived first: a directory or s3://
     archive_s3_endpoint: str | None = None  # an S3-compatible server; None: AWS or AWS_ENDPOINT_URL
+    db_pool_max: int | None = None  # a process's Postgres connections; None: its kind's default
 
     def __post_init__(self) -> None:
         if self.herd_warn_jobs < 1:
             raise ConfigError(f"HERDWICK_HERD_WARN_JOBS must be at least 1, "
                               f"not {self.herd_warn_jobs}")
+        if self.db_pool_max is not None and not \
+                MIN_DB_POOL_MAX <= self.db_pool_max <= MAX_DB_POOL_MAX:
+            raise ConfigError(f"HERDWICK_DB_POOL_MAX must be {MIN_DB_POOL_MAX} to "
+                              f"{MAX_DB_POOL_MAX}, not {self.db_pool_max}")
         if self.dispatch_order not in DISPATCH_ORDERS:
             raise ConfigError(f"HERDWICK_DISPATCH_ORDER must be one of "
                               f"{', '.join(DISPATCH_ORDERS)}, not {self.dispatch_order!r}")
@@ -179,6 +188,7 @@ ENV = {
     "retention_days": "HERDWICK_RETENTION_DAYS",
     "archive_url": "HERDWICK_ARCHIVE_URL",
     "archive_s3_endpoint": "HERDWICK_ARCHIVE_S3_ENDPOINT",
+    "db_pool_max": "HERDWICK_DB_POOL_MAX",
 }
 
 
@@ -227,6 +237,12 @@ def _parse(field: str, var: str, value: str) -> object:
             return int(value)
         except ValueError:
             raise ConfigError(f"{var} must be a whole number of jobs, got {value!r}") from None
+    if field == "db_pool_max":
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{var} must be a whole number of connections, "
+                              f"got {value!r}") from None
     if field == "read_max_lag_s":
         try:
             return float(value)

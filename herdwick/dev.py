@@ -325,6 +325,7 @@ def _banner(settings: Settings, creds: Credentials, base: Path) -> str:
 
 async def run_dev(settings: Settings, stop: asyncio.Event) -> int:
     from herdwick.actors.scheduler import Scheduler
+    from herdwick.gateway.app import DB_POOL_MAX as API_POOL_MAX
     from herdwick.gateway.app import create_app
     from herdwick.http_worker import HttpWorker
     from herdwick.storage import migrate
@@ -340,7 +341,8 @@ async def run_dev(settings: Settings, stop: asyncio.Event) -> int:
         settings = msgspec.structs.replace(settings, api_port=sockets[0].getsockname()[1])
         settings = await _embedded(settings, base, stack)
         await migrate.apply(settings.database_url)
-        db = await Database.connect(settings.database_url)
+        db = await Database.connect(settings.database_url,
+                                    max_size=settings.db_pool_max or API_POOL_MAX)
         try:
             creds = await dev_credentials(db, settings.admin_token, base / CREDENTIALS_FILE)
             settings = msgspec.structs.replace(settings, admin_token=creds.admin_token)

@@ -31,6 +31,8 @@ T0 = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
 # processes and judge how fast they recover or drain would slow each other down if two
 # ran at once, so each family below runs on one worker, one test at a time; everything
 # else is spread over both.
+TEST_DB_POOL_MAX = 6
+
 _GROUPS = (
     ("faults", ("tests/faults/", "tests/fleet/")),
     ("processes", ("tests/docs/", "tests/browser/", "tests/packaging/", "tests/acceptance/",
@@ -43,6 +45,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """Under xdist, the controller finds (or starts) Postgres and Redis once and hands
     them to its workers through the environment they inherit: two workers starting
     embedded servers in one folder would fight over it."""
+    # The two workers' process stacks share one Postgres (often max_connections 100): at
+    # the defaults (api 20, scheduler 16) two of them at once, with a killed one's
+    # backends not yet gone, can run out. Every process a test starts inherits this.
+    os.environ.setdefault("HERDWICK_DB_POOL_MAX", str(TEST_DB_POOL_MAX))
     if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", 0):
         return
     found = asyncio.run(Services().find())

@@ -48,19 +48,21 @@ FLAGS = {
     ("tenant", "create"): {"--database-url"},
     ("tenant", "update"): {"--database-url"},
     ("tenant", "rotate-secret"): {"--database-url", "--redis-url", "--key-prefix"},
-    ("scheduler",): {"--database-url", "--redis-url", "--key-prefix", "--dispatch-order",
+    ("scheduler",): {"--database-url", "--redis-url", "--key-prefix", "--db-pool-max",
+                     "--dispatch-order",
                      "--ready-max", "--retention-days", "--archive-url", "--archive-s3-endpoint"},
     ("retention",): {"--database-url", "--retention-days", "--archive-url",
                      "--archive-s3-endpoint"},
     ("worker",): {"--redis-url", "--key-prefix"},
-    ("api",): {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
+    ("api",): {"--database-url", "--redis-url", "--key-prefix", "--db-pool-max",
+               "--admin-token", "--http-allow",
                "--api-host", "--api-port", "--herd-warn-jobs", "--read-database-url",
                "--read-max-lag-s"},
 }
 SETTINGS = {"--database-url", "--redis-url", "--key-prefix", "--admin-token", "--http-allow",
             "--api-host", "--api-port", "--dispatch-order", "--ready-max", "--herd-warn-jobs",
             "--retention-days", "--archive-url", "--archive-s3-endpoint", "--read-database-url",
-            "--read-max-lag-s"}
+            "--read-max-lag-s", "--db-pool-max"}
 
 
 @pytest.mark.parametrize("command", list(FLAGS), ids=" ".join)
