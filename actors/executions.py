@@ -14,7 +14,7 @@ import collections
 import contextlib
 import functools
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
 import msgspec
@@ -22,14 +22,16 @@ import msgspec
 from herdwick import logs, telemetry
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor, Tick
-from herdwick.clock import Clock
+from herdwick.actors.shard import LOOKAHEAD_S
+from herdwick.clock import Clock, to_us
 from herdwick.errors import Rejected, row_error
 from herdwick.ids import shard_of
 from herdwick.model import Schedule
+from herdwick.redis_client import REDIS_ERRORS
 from herdwick.storage import executions as store
 from herdwick.storage.db import Database
 from herdwick.storage.executions import AttemptRow, ExecutionUpdate, StaleCall
-from herdwick.storage.hot import HotTier
+from herdwick.storage.hot import HotTier, NotifyMessage
 from herdwick.storage.protocol import Event, Protocol
 
 log = logs.get("herdwick.executions")
@@ -344,6 +346,7 @@ class ExecutionEvents(Actor):
         batch, which acks them.
         """
         await asyncio.gather(*(self._apply(f) for f in lanes))
+        await self._notify_retries(events, lanes)
         stale = [c for f in lanes for c in f.stale]
         if stale:
             for tenant_id, call in await store.record_stale_calls(self._db, stale):
@@ -358,6 +361,32 @@ class ExecutionEvents(Actor):
                                             [e.execution_id for e in mine if final(e)])
         self.applied += len(events)
 
+
+    async def _notify_retries(self, events: list[tuple[str, Event]],
+                              lanes: list[_Folded]) -> None:
+        """The retries just committed go into their shards' heaps now, as a submit's job
+        does: found by the next load instead, a retry due sooner than that started late.
+        Best effort, as the gateway's: a lost notify waits for that load. A retry whose
+        update the fence refused has no due row; its entry is claimed as nothing.
+
+        A deferral (an open breaker, `Defer`) is left to the loads: announced, a job
+        behind a breaker that stays open would come back every cool-down, however short,
+        where the loads take it up at most every LOAD_INTERVAL_S."""
+        horizon = self.clock.now() + timedelta(seconds=LOOKAHEAD_S)
+        deferred = {e.execution_id: e.deferred for _, e in events}  # the latest event's
+        retries = [u for f in lanes for u in f.updates
+                   if u.state == "retry_wait" and u.retry_at is not None
+                   and u.retry_at <= horizon and not deferred.get(u.execution_id)]
+        if not retries:
+            return
+        where = {e.execution_id: (e.tenant_id, pool) for pool, e in events}
+        notes = [NotifyMessage(shard_of(uuid.UUID(u.job_id)), u.job_id, to_us(u.retry_at),
+                               *where[u.execution_id])
+                 for u in retries if u.execution_id in where]
+        try:
+            await self._hot.notify(notes)
+        except (*REDIS_ERRORS, OSError) as exc:
+            log.warning("notify_failed", count=len(notes), error=exc)
 
     async def _apply(self, folded: _Folded) -> None:
         """Apply a folded batch; if Postgres refuses something in it, isolate what it refuses.

@@ -7,21 +7,29 @@ the Redis server's clock, so this module's fake clock starts at real time.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from datetime import UTC, datetime
 
 import msgspec
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from herdwick.actors import shard as shards
 from herdwick.actors.sweeper import RECOVERY_GRACE_S
 from herdwick.clock import ManualClock
+from herdwick.ids import shard_of
 from herdwick.storage import keys
 from herdwick.storage.protocol import Protocol
 from tests.integration.conftest import Api
 from tests.integration.stack import advance, ready, submit
 
 POOL = "emails"
+# A failure's retry is announced to its shard as it commits (actors/executions.py), so a
+# test that acts on a waiting retry gives it a delay (15-30 s) that its action comes before.
+SLOW_RETRY = {"maxAttempts": 3, "backoffSeconds": 30}
+PAST_SLOW_RETRY_S = 40
 
 
 @pytest.fixture
@@ -146,6 +154,56 @@ async def last_event_at_ms(redis_client, key_prefix: str) -> int:
     return int(msgspec.json.decode(fields[b"e"])["at_ms"])
 
 
+async def failed_once(api, node, protocol, redis_client, key_prefix, clock):
+    """A one-off published, leased and failed at attempt 1 with a 1 s backoff; -> its
+    retry's heap key, its shard's actor (`notified` cleared before the failure) and its
+    execution id."""
+    job = await submit(api, schedule={"delaySeconds": 1},
+                       retry={"maxAttempts": 2, "backoffSeconds": 1})
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    job_id = uuid.UUID(job["jobId"])
+    shard = node.shard(shard_of(job_id))
+    shard.notified.clear()  # the submit's own notify has come and gone
+    assert await protocol.lease(POOL, "w", 30, eid, 1) is not None
+    retry_at_ms = await protocol.fail(POOL, eid, 1, "w", '{"type": "Boom", "message": "x"}',
+                                      True)
+    return shards.entry(int(retry_at_ms) * 1000, job_id.int), shard, eid
+
+
+def took(shard, key: int) -> bool:
+    """In the heap, or already popped for its due time."""
+    return key in shard._members or key in shard._recent
+
+
+async def test_a_retry_goes_into_its_shard_s_heap_as_it_commits_not_at_the_next_load(
+        api, schedulers, protocol, redis_client, key_prefix, clock) -> None:
+    # A retry due before the shard's next load would otherwise start that much late.
+    node = await schedulers()
+    key, shard, _ = await failed_once(api, node, protocol, redis_client, key_prefix, clock)
+    await node.settle_events()  # the clock stands still: no shard loads meanwhile
+    await asyncio.wait_for(shard.notified.wait(), 5)
+    assert took(shard, key)
+
+
+async def test_a_retry_whose_notify_is_lost_is_found_by_the_next_load(
+        api, schedulers, protocol, redis_client, key_prefix, clock, monkeypatch) -> None:
+    node = await schedulers()
+
+    async def lost(messages) -> None:
+        raise RedisConnectionError("publish failed")
+
+    monkeypatch.setattr(node.events._hot, "notify", lost)
+    key, shard, eid = await failed_once(api, node, protocol, redis_client, key_prefix, clock)
+    await node.settle_events()
+    assert (await execution(api, eid))["state"] == "retry_wait"  # committed and acked all
+    assert await redis_client.xrange(keys.events_stream(key_prefix, POOL)) == []  # the same
+    assert not took(shard, key)
+    await due_and_published(node, clock, shards.LOAD_INTERVAL_S + 1)
+    retried = await latest(redis_client, key_prefix)
+    assert (retried["execution_id"], retried["attempt"]) == (eid, "2")
+
+
 async def test_retry_delays_grow_exponentially_within_their_window(
         api, schedulers, protocol, redis_client, key_prefix, clock) -> None:
     await submit(api, schedule={"delaySeconds": 1}, retry={"maxAttempts": 5, "backoffSeconds": 4})
@@ -188,6 +246,37 @@ async def test_deferred_attempts_do_not_grow_the_backoff(
     await due_and_published(node, clock, 5)
     await protocol.lease(POOL, "w", 30, eid, 5)
     assert await protocol.fail(POOL, eid, 5, "w", '{"message": "x"}', True) == "DEAD"
+
+
+async def test_a_deferral_is_left_to_the_loads_and_a_failure_announced(
+        api, schedulers, protocol, redis_client, key_prefix, clock, monkeypatch) -> None:
+    # Announced, a job behind a breaker that stays open would come back every cool-down.
+    job = await submit(api, schedule={"delaySeconds": 1},
+                       retry={"maxAttempts": 3, "backoffSeconds": 1})
+    node = await schedulers()
+    announced: list[str] = []
+    notify = node.events._hot.notify
+
+    async def recorded(messages) -> None:
+        announced.extend(m.job_id for m in messages)
+        await notify(messages)
+
+    monkeypatch.setattr(node.events._hot, "notify", recorded)
+    await due_and_published(node, clock)
+    eid = (await latest(redis_client, key_prefix))["execution_id"]
+    await protocol.lease(POOL, "w", 30, eid, 1)
+    assert isinstance(await redis_client.fcall(
+        "hw_fail", 1, keys.pool_base(key_prefix, POOL), eid, 1, "w", '{"message": "busy"}',
+        "1", "100", "1"), int)
+    await node.settle_events()
+    assert (await execution(api, eid))["state"] == "retry_wait"
+    assert announced == []
+    await due_and_published(node, clock, shards.LOAD_INTERVAL_S + 1)  # the load finds it
+    assert (await latest(redis_client, key_prefix))["attempt"] == "2"
+    await protocol.lease(POOL, "w", 30, eid, 2)
+    await protocol.fail(POOL, eid, 2, "w", '{"message": "x"}', True)
+    await node.settle_events()
+    assert announced == [job["jobId"]]
 
 
 async def test_a_report_that_is_not_json_is_kept_as_text_and_blocks_nothing(
@@ -404,8 +493,7 @@ async def job_state(api: Api, job_id: str) -> str:
 
 async def test_pause_holds_a_pending_retry_until_resume(api, schedulers, protocol, redis_client,
                                                         key_prefix, clock) -> None:
-    job = await submit(api, schedule={"delaySeconds": 1},
-                       retry={"maxAttempts": 3, "backoffSeconds": 1})
+    job = await submit(api, schedule={"delaySeconds": 1}, retry=SLOW_RETRY)
     node = await schedulers()
     await due_and_published(node, clock)
     eid = (await latest(redis_client, key_prefix))["execution_id"]
@@ -415,7 +503,7 @@ async def test_pause_holds_a_pending_retry_until_resume(api, schedulers, protoco
     # Paused while its retry waits: the retry's time comes and goes, and nothing starts.
     paused = await api.client.post(f"/v1/jobs/{job['jobId']}:pause", headers=api.auth())
     assert paused.status == 200
-    await due_and_published(node, clock, 10)
+    await due_and_published(node, clock, PAST_SLOW_RETRY_S)
     assert len(await ready(redis_client, key_prefix)) == 1
     assert (await execution(api, eid))["state"] == "retry_wait"
 
@@ -431,8 +519,7 @@ async def test_pause_holds_a_pending_retry_until_resume(api, schedulers, protoco
 @pytest.mark.parametrize("paused_first", [False, True], ids=["active", "paused"])
 async def test_cancel_while_a_retry_waits_cancels_the_execution(
         api, schedulers, protocol, redis_client, key_prefix, clock, db, paused_first) -> None:
-    job = await submit(api, schedule={"delaySeconds": 1},
-                       retry={"maxAttempts": 3, "backoffSeconds": 1})
+    job = await submit(api, schedule={"delaySeconds": 1}, retry=SLOW_RETRY)
     node = await schedulers()
     await due_and_published(node, clock)
     eid = (await latest(redis_client, key_prefix))["execution_id"]
@@ -440,11 +527,11 @@ async def test_cancel_while_a_retry_waits_cancels_the_execution(
     if paused_first:
         # The retry falls due while the job is paused, and is held back.
         await api.client.post(f"/v1/jobs/{job['jobId']}:pause", headers=api.auth())
-        await due_and_published(node, clock, 10)
+        await due_and_published(node, clock, PAST_SLOW_RETRY_S)
 
     assert (await api.client.delete(f"/v1/jobs/{job['jobId']}", headers=api.auth())).status == 204
     assert (await execution(api, eid))["state"] == "canceled"
-    await due_and_published(node, clock, 10)
+    await due_and_published(node, clock, PAST_SLOW_RETRY_S)
     assert len(await ready(redis_client, key_prefix)) == 1  # the retry never ran
     assert (await execution(api, eid))["state"] == "canceled"
     async with db.connection() as conn:

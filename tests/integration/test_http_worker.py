@@ -295,9 +295,11 @@ async def test_a_down_target_opens_its_breaker_without_burning_attempts_or_slowi
         api, schedulers, receiver, redis_client, key_prefix, clock, db) -> None:
     down_port = free_port()  # nothing listens: connection refused
     down_url = f"http://127.0.0.1:{down_port}/hook"
-    # Enough attempts that the probes (real deliveries, which count) cannot use them up.
+    # Enough attempts that the probes (real deliveries, which count) cannot use them up,
+    # and a backoff that keeps the first failures' retries (30-60 s) out of the test: each
+    # job's one outcome below is its first.
     down = [await submit(api, **http_job(down_url, name=f"down-{i}",
-                                         retry={"maxAttempts": 8, "backoffSeconds": 1}))
+                                         retry={"maxAttempts": 8, "backoffSeconds": 60}))
             for i in range(10)]
     healthy = [await submit(api, **http_job(receiver.url, name=f"up-{i}")) for i in range(5)]
     node = await schedulers()
