@@ -22,7 +22,7 @@ import msgspec
 from herdwick import logs, telemetry
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor, Tick
-from herdwick.actors.shard import LOOKAHEAD_S
+from herdwick.actors.shard import ANNOUNCE_S
 from herdwick.clock import Clock, to_us
 from herdwick.errors import Rejected, row_error
 from herdwick.ids import shard_of
@@ -30,7 +30,7 @@ from herdwick.model import Schedule
 from herdwick.redis_client import REDIS_ERRORS
 from herdwick.storage import executions as store
 from herdwick.storage.db import Database
-from herdwick.storage.executions import AttemptRow, ExecutionUpdate, StaleCall
+from herdwick.storage.executions import AttemptRow, ExecutionUpdate, StaleCall, Successor
 from herdwick.storage.hot import HotTier, NotifyMessage
 from herdwick.storage.protocol import Event, Protocol
 
@@ -345,8 +345,8 @@ class ExecutionEvents(Actor):
         be split over lanes. Entries in `hold` have events carried to the next
         batch, which acks them.
         """
-        await asyncio.gather(*(self._apply(f) for f in lanes))
-        await self._notify_retries(events, lanes)
+        successors = await asyncio.gather(*(self._apply(f) for f in lanes))
+        await self._announce(events, lanes, [s for lane in successors for s in lane])
         stale = [c for f in lanes for c in f.stale]
         if stale:
             for tenant_id, call in await store.record_stale_calls(self._db, stale):
@@ -362,33 +362,31 @@ class ExecutionEvents(Actor):
         self.applied += len(events)
 
 
-    async def _notify_retries(self, events: list[tuple[str, Event]],
-                              lanes: list[_Folded]) -> None:
-        """The retries just committed go into their shards' heaps now, as a submit's job
-        does: found by the next load instead, a retry due sooner than that started late.
-        Best effort, as the gateway's: a lost notify waits for that load. A retry whose
-        update the fence refused has no due row; its entry is claimed as nothing.
-
-        A deferral (an open breaker, `Defer`) is left to the loads: announced, a job
-        behind a breaker that stays open would come back every cool-down, however short,
-        where the loads take it up at most every LOAD_INTERVAL_S."""
-        horizon = self.clock.now() + timedelta(seconds=LOOKAHEAD_S)
-        deferred = {e.execution_id: e.deferred for _, e in events}  # the latest event's
-        retries = [u for f in lanes for u in f.updates
-                   if u.state == "retry_wait" and u.retry_at is not None
-                   and u.retry_at <= horizon and not deferred.get(u.execution_id)]
-        if not retries:
-            return
+    async def _announce(self, events: list[tuple[str, Event]], lanes: list[_Folded],
+                        successors: list[Successor]) -> None:
+        """The due rows just committed (retries, deferrals, forbid-overlap successors) go
+        into their shards' heaps now, as a submit's job does: shards re-read their near
+        rows only every NEAR_REREAD_S, so one left to that would start up to that late.
+        Best effort, as the gateway's: a lost notify waits for that re-read. A retry whose
+        update the fence refused has no due row; its entry is claimed as nothing."""
+        horizon = self.clock.now() + timedelta(seconds=ANNOUNCE_S)
         where = {e.execution_id: (e.tenant_id, pool) for pool, e in events}
         notes = [NotifyMessage(shard_of(uuid.UUID(u.job_id)), u.job_id, to_us(u.retry_at),
                                *where[u.execution_id])
-                 for u in retries if u.execution_id in where]
+                 for f in lanes for u in f.updates
+                 if u.state == "retry_wait" and u.retry_at is not None
+                 and u.retry_at <= horizon and u.execution_id in where]
+        notes += [NotifyMessage(shard_of(s.job_id), str(s.job_id), to_us(s.next_run_at),
+                                str(s.tenant_id), s.pool)
+                  for s in successors if s.next_run_at <= horizon]
+        if not notes:
+            return
         try:
             await self._hot.notify(notes)
         except (*REDIS_ERRORS, OSError) as exc:
             log.warning("notify_failed", count=len(notes), error=exc)
 
-    async def _apply(self, folded: _Folded) -> None:
+    async def _apply(self, folded: _Folded) -> list[Successor]:
         """Apply a folded batch; if Postgres refuses something in it, isolate what it refuses.
 
         Halves by execution until the refused execution is alone (the statements
@@ -398,21 +396,24 @@ class ExecutionEvents(Actor):
         its error: its outcome still lands, and the reason is on the row.
         """
         try:
-            await store.apply(self._db, folded.updates, folded.attempts, folded.now, shard_of,
-                              next_after(folded.clock_now))
+            return (await store.apply(self._db, folded.updates, folded.attempts, folded.now,
+                                      shard_of, next_after(folded.clock_now))).successors
         except Rejected as exc:
             ids = sorted({u.execution_id for u in folded.updates}
                          | {a.execution_id for a in folded.attempts})
             if len(ids) == 1:
-                await self._apply_stripped(folded, ids[0], exc)
-                return
+                return await self._apply_stripped(folded, ids[0], exc)
             half = set(ids[:len(ids) // 2])
+            successors = []
             for part in (half, set(ids) - half):
-                await self._apply(_Folded([u for u in folded.updates if u.execution_id in part],
-                                          [a for a in folded.attempts if a.execution_id in part],
-                                          folded.now, folded.clock_now, []))
+                successors += await self._apply(_Folded(
+                    [u for u in folded.updates if u.execution_id in part],
+                    [a for a in folded.attempts if a.execution_id in part],
+                    folded.now, folded.clock_now, []))
+            return successors
 
-    async def _apply_stripped(self, folded: _Folded, execution_id: str, exc: Rejected) -> None:
+    async def _apply_stripped(self, folded: _Folded, execution_id: str,
+                              exc: Rejected) -> list[Successor]:
         error = row_error("EventRejected", str(exc))
         log.error("event_rejected", execution_id=execution_id, error=str(exc))
         updates = [msgspec.structs.replace(u, lease_owner=None, result=None, error=error)
@@ -420,10 +421,11 @@ class ExecutionEvents(Actor):
         attempts = [msgspec.structs.replace(a, worker_id=None, error=error)
                     for a in folded.attempts]
         try:
-            await store.apply(self._db, updates, attempts, folded.now, shard_of,
-                              next_after(folded.clock_now))
+            return (await store.apply(self._db, updates, attempts, folded.now, shard_of,
+                                      next_after(folded.clock_now))).successors
         except Rejected as again:  # nothing of it can be stored: say so and go on
             log.error("event_dropped", execution_id=execution_id, error=str(again))
+            return []
 
 
 def export(events: list[tuple[str, Event]]) -> None:

@@ -40,12 +40,11 @@ def item_shard(work: int) -> int:
 
 
 class NotifyDue(msgspec.Struct, frozen=True):
-    """A near-due job announced by the gateway (gateway -> shard actor)."""
+    """Due rows just written, announced to their shard's actor (gateway, event folder and
+    dispatch -> shard actor): (job id as int, due time in us, tenant id, pool) each. An
+    empty tenant or pool (a gateway of an older release) is left to the next re-read."""
 
-    job_id_int: int
-    due_us: int
-    tenant_id: str = ""  # empty from a gateway of an older release: left to the next load
-    pool: str = ""
+    entries: list[tuple[int, int, str, str]]
 
 
 class Handed:

@@ -49,7 +49,7 @@ from herdwick.redis_client import REDIS_ERRORS
 from herdwick.storage import keys, migrate
 from herdwick.storage import tenants as tenant_store
 from herdwick.storage.db import Database
-from herdwick.storage.hot import HotTier, decode_notify
+from herdwick.storage.hot import HotTier, NotifyMessage, decode_notify
 from herdwick.storage.protocol import Protocol
 from herdwick.storage.retention import RetentionPolicy
 from herdwick.storage.tenants import TenantLimits
@@ -107,6 +107,8 @@ class Scheduler:
         self._tasks: list[asyncio.Task] = []  # the tickers
         self._notify: asyncio.Task | None = None
         self._stopping = asyncio.Event()  # ends the notify listener between two reads
+        self._subscribed = asyncio.Event()  # test signal: the notify listener listens
+        self._notify_marks: dict[str, asyncio.Future] = {}  # see sync_notifies
         self._ready_stats: dict[str, tuple[int, int]] = {}  # pool -> (depth, pending): gauges
 
     async def start(self) -> Scheduler:
@@ -126,7 +128,8 @@ class Scheduler:
         for i in range(self._dispatch_count + 1):
             actor = DispatchActor(db=self.db, node_id=self.node_id, clock=self.clock,
                                   publish=self._publish, lease_lost=self._lease_lost,
-                                  cancel=self._cancel_execution, db_now=self._db_now)
+                                  cancel=self._cancel_execution, announce=self._wake,
+                                  db_now=self._db_now)
             self.dispatchers.append(actor)
             await self._core.start(f"dispatch-{i}", lambda a=actor: a, restart=True)
         # The sweeper's first pass (everything, on a prefix Redis has no epoch for) must be
@@ -275,8 +278,9 @@ class Scheduler:
         redis-py's listen() raises once its own reconnect attempts fail, and a bare
         listen loop would then end for good (no notify again, even after Redis is
         back) or, retried at once, spin. So: one warning a retry, backed off.
-        Notifies are only a shortcut (shards load their due work every few seconds),
-        so those missed while Redis is away delay nothing for long.
+        Notifies are only a shortcut (shards re-read their near rows every
+        NEAR_REREAD_S, and once more after each subscribe), so those missed while
+        Redis is away delay nothing for long.
         """
         channel = keys.notify_channel(self.settings.key_prefix)
         failures = 0
@@ -284,6 +288,8 @@ class Scheduler:
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
+                self._reread_all()
+                self._subscribed.set()
                 if failures:
                     log.info("notify_resubscribed", failures=failures)
                     failures = 0
@@ -298,6 +304,7 @@ class Scheduler:
                 return
             except (*REDIS_ERRORS, OSError) as exc:
                 error = str(exc)
+                self._subscribed.clear()
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
@@ -309,11 +316,31 @@ class Scheduler:
                                        delay_s * (0.5 + random.random()))
 
     def _wake_shards(self, data: bytes) -> None:
+        by_shard: dict[int, list[tuple[int, int, str, str]]] = {}
         for note in decode_notify(data):
-            actor = self.shard(note.shard_id)
-            if actor is not None:
-                actor.try_send(NotifyDue(uuid.UUID(note.job_id).int, note.next_run_at_us,
-                                         note.tenant_id, note.pool))
+            if note.shard_id < 0:  # sync_notifies' mark
+                if (mark := self._notify_marks.pop(note.job_id, None)) is not None:
+                    mark.set_result(None)
+            elif self.shard(note.shard_id) is not None:
+                by_shard.setdefault(note.shard_id, []).append(
+                    (uuid.UUID(note.job_id).int, note.next_run_at_us, note.tenant_id,
+                     note.pool))
+        for shard_id, entries in by_shard.items():
+            self._wake(shard_id, NotifyDue(entries))
+
+    def _wake(self, shard_id: int, note: NotifyDue) -> None:
+        """Due rows into their shard's heap, if this node holds the shard. A full mailbox
+        drops the note: the shard then re-reads its near rows at its next load."""
+        actor = self.shard(shard_id)
+        if actor is not None and not actor.try_send(note):
+            actor.missed_notify = True
+
+    def _reread_all(self) -> None:
+        """Notifies published while this node was not subscribed are lost: every shard
+        re-reads its near rows at its next load."""
+        for shard_id in self.shard_ids:
+            if (actor := self.shard(shard_id)) is not None:
+                actor.missed_notify = True
 
     async def settle_events(self) -> int:
         """Test signal: apply what is on the events streams now; returns how many events.
@@ -329,9 +356,25 @@ class Scheduler:
         await sync(self.events)
         return total
 
+    async def sync_notifies(self) -> None:
+        """Test signal: every notify published before this call has reached its shard's
+        mailbox. A mark for no shard (-1) goes through the channel after them."""
+        token = uuid.uuid4().hex
+        mark = self._notify_marks[token] = asyncio.get_running_loop().create_future()
+        try:  # with Redis away, there is nothing to wait for
+            await asyncio.wait_for(self._subscribed.wait(), 5)
+            await self.hot.notify([NotifyMessage(-1, token, 0, "", "")])
+            await asyncio.wait_for(mark, 5)
+        except (TimeoutError, *REDIS_ERRORS, OSError):
+            pass
+        finally:
+            self._notify_marks.pop(token, None)
+
     async def settle(self, rounds: int = 3) -> None:
-        """Test signal: every shard has handled a Tick, and what that made due has gone
+        """Test signal: the notifies published so far are in their shards' mailboxes,
+        every shard has handled a Tick after them, and what that made due has gone
         through the fair queues (a round each, `rounds` times), dispatch and publish."""
+        await self.sync_notifies()
         shards = [self.shard(s) for s in sorted(self.shard_ids)]
         for actor in shards:
             if actor is not None:

@@ -1,10 +1,15 @@
 """The shard actor: the next minute or two of one shard's due work, in a min-heap.
 
 Loader: every LOAD_INTERVAL_S, a range scan of the shard's due_index up to
-now + LOOKAHEAD_S (overdue included), deduplicated into the heap. What an earlier
-load read is read again only once due within NEAR_S, and then as keys alone (the
-jobs of the few keys the shard does not hold are looked up): a herd loaded a
-minute ahead is read once with its jobs and about five times more as keys.
+now + LOOKAHEAD_S, deduplicated into the heap. What an earlier load read is not
+read again: every writer of a due row within the horizon announces it (the
+gateway's submits, resumes and triggers, the event folder's retries and
+forbid-overlap successors, the dispatch's cron successors), so the heap holds
+it already. Lost announcements are the exception, and for them the rows due
+within NEAR_S (overdue included) are read again, as keys alone (the jobs of the
+few keys the shard does not hold are looked up), every NEAR_REREAD_S, at the
+next load after a dropped notify or a new subscription, and when a hand-over
+lapsed: a herd is read about once, where it was read every load while near.
 Popper: wakes PREPARE_S before the heap top falls due (or on a notify), pops
 every entry due by then and hands them to their pools' fair queues
 (actors/fairqueue.py), which hold each until it is due and send it on to the
@@ -39,10 +44,16 @@ log = logs.get("herdwick.shard")
 
 LOAD_INTERVAL_S = 2.0
 LOOKAHEAD_S = 60.0
+# Loads read whole minutes, up to the one a minute ahead, once: a row written due within
+# this may fall in a minute its shard read already, so its writer announces it.
+ANNOUNCE_S = 2 * LOOKAHEAD_S
 # Rows an earlier load read are in the heap; only those due within NEAR_S are read again,
-# to catch a row added behind the horizon without a notify (a lost one, or a retry's)
-# before it falls due: longer than a load interval and a deferred load's wait together.
+# to catch a row added behind the horizon whose notify was lost before it falls due:
+# longer than a load interval and a deferred load's wait together.
 NEAR_S = 10.0
+# How often that re-read runs without a known loss: a lost notify's row starts at most
+# this late (and a lapsed hand-over is handed again this much after HANDED_TTL_S).
+NEAR_REREAD_S = 10.0
 # A load while handed-over work still waits (for room on its stream, or for its
 # dispatch transaction) re-reads it for nothing (a herd's backlog: a sixth of the
 # scheduler's time). Loads wait for the shard's batches to settle, checking this
@@ -109,6 +120,10 @@ class ShardActor(Actor):
         self._next_pop_us = 0  # idle wakes for due entries no sooner than this
         self._load_due_since_us: int | None = None  # a load is due but deferred since then
         self._read_until: datetime | None = None  # the last whole load's horizon
+        self._next_reread_us = 0  # the near rows are read again at the first load after
+        # A notify of this shard's was dropped (a full mailbox, a lost subscription): the
+        # next load re-reads the near rows. Written by the scheduler, on the same loop.
+        self.missed_notify = False
         # Batches handed over whose work the fair queues have not settled yet.
         self._unsettled: list[Handed] = []
         # Popped keys -> their batch, while it is unsettled: a load that cannot wait
@@ -128,6 +143,10 @@ class ShardActor(Actor):
     async def on_start(self) -> None:
         now = self.clock.now()
         await self.load(now)
+        # A notify published between that read and this actor's first message (a shard
+        # moving here from another node) may have reached neither: read the near rows
+        # again at the next load.
+        self.missed_notify = True
         # The next load comes at the shard's own share of the interval, so a node's shards
         # load spread over it, not all together every 2 s (that burst of loads was the
         # steady lag's p99: 64 ms in the second of it, 23 between).
@@ -136,9 +155,14 @@ class ShardActor(Actor):
     async def handle(self, msg: object | None) -> None:
         now = self.clock.now()
         match msg:
-            case NotifyDue(job_id_int=job, due_us=due, tenant_id=tenant, pool=pool):
-                if tenant and pool and due <= to_us(now) + LOOKAHEAD_S * 1e6:
-                    self._push(entry(due, job, self._class(tenant, pool)))
+            case NotifyDue(entries=entries):
+                until_us = self._read_until_us(now)
+                # Not checked against what was popped lately, as a load's rows are: a
+                # row written again under a key just claimed (a retry parked, then
+                # resumed) is new work; handing a row twice is harmless.
+                for job, due, tenant, pool in entries:
+                    if tenant and pool and due <= until_us:
+                        self._push(entry(due, job, self._class(tenant, pool)))
                 self.notified.set()
             case Tick() | None:
                 pass
@@ -149,6 +173,14 @@ class ShardActor(Actor):
             else:
                 await self.load(now)
         await self.dispatch_due(now)
+
+    def _read_until_us(self, now: datetime) -> int:
+        """The end of what the loads have read: they read whole minutes, up to the one
+        that holds the last horizon, and do not read them again (but for lost notifies).
+        A row announced beyond it is left to the load that reaches its minute."""
+        if self._read_until is None:
+            return to_us(now) + int(LOOKAHEAD_S * 1e6)
+        return to_us(self._read_until.replace(second=0, microsecond=0)) + 60_000_000 - 1
 
     def _defer_load(self, now_us: int) -> bool:
         self._unsettled = [h for h in self._unsettled if h.pending(now_us, HANDED_TTL_S)]
@@ -171,14 +203,21 @@ class ShardActor(Actor):
     async def load(self, now: datetime) -> int:
         """One range scan into the heap; returns how many entries it added."""
         horizon = now + timedelta(seconds=LOOKAHEAD_S)
+        now_us = to_us(now)
+        lapsed = len(self._handed)
+        self._handed = {v: h for v, h in self._handed.items()
+                        if h.pending(now_us, HANDED_TTL_S)}
+        lapsed -= len(self._handed)
+        reread = self.missed_notify or lapsed > 0 or now_us >= self._next_reread_us
+        if reread:
+            self.missed_notify = False
+            self._next_reread_us = now_us + int(NEAR_REREAD_S * 1e6)
         rows = await store.load_due(self._db, self.shard_id, horizon,
-                                    now + timedelta(seconds=NEAR_S), self._read_until)
+                                    now + timedelta(seconds=NEAR_S) if reread else None,
+                                    self._read_until)
         if len(rows) < store.LOAD_LIMIT:  # a cut-short read covered less: read it again
             self._read_until = horizon
         self._forget_old_recent(now)
-        now_us = to_us(now)
-        self._handed = {v: h for v, h in self._handed.items()
-                        if h.pending(now_us, HANDED_TTL_S)}
         added = 0
         bad: list[DueRow] = []
         unknown: list[tuple[int, int, DueRow]] = []  # (due, job, row): keys not held

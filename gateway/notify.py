@@ -12,6 +12,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from herdwick import logs
+from herdwick.actors.shard import ANNOUNCE_S
 from herdwick.clock import Clock
 from herdwick.errors import StorageUnavailable
 from herdwick.redis_client import REDIS_ERRORS
@@ -20,9 +21,9 @@ from herdwick.storage.protocol import Protocol
 
 log = logs.get("herdwick.gateway")
 
-# A little more than the shards' load interval, so nothing due before the next
-# load waits for the one after it.
-NEAR_DUE = timedelta(seconds=5)
+# A row due this soon may fall in a minute its shard's loads read already: unless
+# announced, it would wait for the shard's periodic re-read (actors/shard.py).
+NEAR_DUE = timedelta(seconds=ANNOUNCE_S)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # What became due: (shard id, job id, due time, tenant id, pool).
 Near = tuple[int, uuid.UUID, datetime, uuid.UUID, str]

@@ -285,7 +285,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         written = await snapshot(db, client)
         if parked is not None:
             due = due_second(plan.due_in_s)
-            moved = await move_herd(db, parked, due, jobs_too=True)
+            moved = await move_herd(db, parked, due, jobs_too=True, hot=HotTier(client, prefix))
             written = await after_move(db, client, written, moved)
         background = Background(plan.rate, plan.duration_s, plan.delay_s, db,
                                 HotTier(client, prefix), tenants, factory)

@@ -311,7 +311,7 @@ async def _dispatch_phase(s: Stack, parked: datetime | None, insert_s: float,
 async def _move(s: Stack, parked: datetime) -> tuple[datetime, float, float]:
     start = time.perf_counter()
     due = due_second(s.plan.due_in_s)
-    moved = await move_herd(s.db, parked, due)
+    moved = await move_herd(s.db, parked, due, hot=HotTier(s.client, s.prefix))
     if moved != s.plan.jobs:
         raise RunFailed(f"moved {moved} due rows of a herd of {s.plan.jobs}")
     lead_s = due.timestamp() - time.time()

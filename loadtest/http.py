@@ -427,7 +427,7 @@ async def _drain(plan: Plan, db: Database, dsn: str,
     due = None
     if parked is not None:
         due = due_second(plan.due_in_s)
-        await move_herd(db, parked, due)
+        await move_herd(db, parked, due, hot=HotTier(client, prefix))
     background = Background(plan.rate, plan.duration_s, plan.delay_s, db,
                             HotTier(client, prefix), tenants, factory)
     outcomes = Outcomes(db, plan.healthy_of(plan.jobs), steady_from, plan.healthy_of)

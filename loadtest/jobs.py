@@ -17,12 +17,14 @@ from datetime import UTC, datetime, timedelta
 
 import msgspec
 
+from herdwick.clock import to_us
 from herdwick.gateway.submit import prepare
 from herdwick.ids import shard_of, uuid7
 from herdwick.loadtest.driver import RunFailed
 from herdwick.model import DEFAULT_RETRY, JobSpec, RetryPolicy, Schedule, Target, TenantSpec
 from herdwick.ssrf import Network
 from herdwick.storage.db import Database
+from herdwick.storage.hot import HotTier, NotifyMessage
 from herdwick.storage.jobs import NewJob, due_minute, insert_jobs
 from herdwick.storage.tenants import create_tenant
 
@@ -172,21 +174,31 @@ WITH moved AS (
     UPDATE due_index
     SET next_run_at = $1::timestamptz + (next_run_at - $3::timestamptz), due_minute = $2
     WHERE next_run_at >= $3 AND next_run_at < $3::timestamptz + interval '1 second'
-    RETURNING job_id, next_run_at
+    RETURNING shard_id, job_id, next_run_at
 ), jobs_moved AS (
     UPDATE jobs j SET next_run_at = m.next_run_at FROM moved m
     WHERE $4 AND j.job_id = m.job_id
 )
-SELECT count(*) FROM moved"""
+SELECT m.shard_id, m.job_id, m.next_run_at, j.tenant_id, j.pool
+FROM moved m JOIN jobs j USING (job_id)"""
 
 
 async def move_herd(db: Database, parked_at: datetime, due: datetime, *,
-                    jobs_too: bool = False) -> int:
+                    jobs_too: bool = False, hot: HotTier | None = None) -> int:
     """One statement: every due row parked in the second from `parked_at` falls due in the
-    second from `due`, at the same offset (and its job's next_run_at with `jobs_too`)."""
+    second from `due`, at the same offset (and its job's next_run_at with `jobs_too`).
+
+    With `hot`, the moved rows are then announced to their shards, a thousand a message,
+    as the gateway announces a batch submit due this soon: the shards read the herd's
+    minute already, and would otherwise find it only at their next re-read of near rows."""
     async with db.connection() as conn:
-        moved = await conn.fetchval(_MOVE_DUE, due, due_minute(due), parked_at, jobs_too)
+        moved = await conn.fetch(_MOVE_DUE, due, due_minute(due), parked_at, jobs_too)
         # Its table counters reach pg_stat_user_tables now, not up to 10 s later: the
         # write profile leaves the move out (loadtest/writes.py).
         await conn.execute("SELECT pg_stat_force_next_flush()")
-    return moved
+    if hot is not None:
+        notes = [NotifyMessage(r["shard_id"], str(r["job_id"]), to_us(r["next_run_at"]),
+                               str(r["tenant_id"]), r["pool"]) for r in moved]
+        for i in range(0, len(notes), INSERT_BATCH):
+            await hot.notify(notes[i:i + INSERT_BATCH])
+    return len(moved)

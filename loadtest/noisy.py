@@ -291,7 +291,7 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         await sampler.baseline()
         steady_from = uuid7_floor(datetime.now(UTC))
         due = due_second(plan.due_in_s)
-        await move_herd(db, parked, due)
+        await move_herd(db, parked, due, hot=HotTier(client, prefix))
         background = Background(plan.rate, plan.duration_s, 2.5, db, HotTier(client, prefix),
                                 steady_tenants, factory)
         outcomes = Outcomes(db, herd_jobs, steady_from)

@@ -106,6 +106,7 @@ class Dispatched(msgspec.Struct, kw_only=True):
     queued: list[Queued]
     replaced: list[tuple[uuid.UUID, uuid.UUID]] = []  # (execution, job) canceled by a newer one
     failed: int = 0  # claimed rows recorded as failed (fail_claimed)
+    next_due: list[NextDue] = []  # cron successors written: their shards hear of them
 
 
 class DueKey(msgspec.Struct, frozen=True):
@@ -118,8 +119,9 @@ async def load_due(db: Database, shard_id: int, horizon: datetime,
                    near: datetime | None = None, read_until: datetime | None = None,
                    limit: int = LOAD_LIMIT) -> list[DueRow]:
     """Due rows up to `horizon`, leaving out those of due minutes up to `read_until`
-    (an earlier load's horizon) that are not due by `near`; everything without it.
-    Rows of those earlier minutes come as keys alone (no tenant or pool)."""
+    (an earlier load's horizon) that are not due by `near` (all of them when `near` is
+    None); everything without `read_until`. Rows of those earlier minutes come as keys
+    alone (no tenant or pool)."""
     if read_until is None:
         near, read_until = horizon, _EARLIEST
     async with db.connection() as conn:
@@ -184,7 +186,7 @@ async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
     queued = [Queued(r["execution_id"], r["job_id"], r["scheduled_for"], r["attempt"],
                      r["deferrals"]) for r in out]
     return Dispatched(held=held, claimed=claimed, queued=queued, replaced=replaced,
-                      failed=len(decided.failed))
+                      failed=len(decided.failed), next_due=decided.next_due)
 
 
 async def reject(db: Database, node_id: str, revisions: dict[int, int], keys: list[DueKey],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 import msgspec
 
@@ -59,11 +60,20 @@ class StaleCall(msgspec.Struct, kw_only=True):
     at_ms: int
 
 
+class Successor(NamedTuple):
+    """A forbid-overlap job's next occurrence, written once its occurrence finished."""
+
+    job_id: uuid.UUID
+    next_run_at: datetime
+    tenant_id: uuid.UUID
+    pool: str
+
+
 class Applied(msgspec.Struct, kw_only=True):
     changed: int
     retries: int
     completed_jobs: int
-    successors: int
+    successors: list[Successor]
 
 
 async def apply(db: Database, updates: list[ExecutionUpdate], attempts: list[AttemptRow],
@@ -80,7 +90,7 @@ async def apply(db: Database, updates: list[ExecutionUpdate], attempts: list[Att
     fast = await retrying(lambda: _apply_events(db, updates, attempts, now, shard_of))
     forbid = {str(job_id) for job_id in fast["forbid"]}
     if not forbid:
-        return _applied(fast, 0)
+        return _applied(fast, [])
     held = [u for u in updates if u.job_id in forbid and u.state in ("succeeded", "dead")]
     slow, successors = await retrying(lambda: _apply_forbid(db, held, now, shard_of, next_after))
     total = _applied(fast, successors)
@@ -89,7 +99,7 @@ async def apply(db: Database, updates: list[ExecutionUpdate], attempts: list[Att
     return total
 
 
-def _applied(row, successors: int) -> Applied:
+def _applied(row, successors: list[Successor]) -> Applied:
     return Applied(changed=row["changed"], retries=row["retries"], completed_jobs=row["completed"],
                    successors=successors)
 
@@ -114,10 +124,10 @@ async def _apply_forbid(db: Database, updates: list[ExecutionUpdate], now: datet
         for job in await conn.fetch(q("forbid_successors"), row["finished"]):
             when = next_after(job["job_id"], job["schedule"])
             if when is not None:
-                successors.append((job["job_id"], when))
+                successors.append(Successor(job["job_id"], when, job["tenant_id"], job["pool"]))
         if successors:
             await conn.execute(q("insert_retry_due"), *_successor_args(successors, shard_of))
-    return row, len(successors)
+    return row, successors
 
 
 def _events_args(updates: list[ExecutionUpdate], attempts: list[AttemptRow],
@@ -148,9 +158,10 @@ def _attempt_args(rows: list[AttemptRow]) -> tuple[list, ...]:
             [r.outcome for r in rows], [r.error for r in rows])
 
 
-def _successor_args(successors: list[tuple[uuid.UUID, datetime]], shard_of) -> tuple[list, ...]:
-    return ([shard_of(j) for j, _ in successors], [due_minute(t) for _, t in successors],
-            [t for _, t in successors], [j for j, _ in successors],
+def _successor_args(successors: list[Successor], shard_of) -> tuple[list, ...]:
+    return ([shard_of(s.job_id) for s in successors],
+            [due_minute(s.next_run_at) for s in successors],
+            [s.next_run_at for s in successors], [s.job_id for s in successors],
             [None] * len(successors), [None] * len(successors), [None] * len(successors))
 
 

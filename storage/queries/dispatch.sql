@@ -4,12 +4,14 @@
 -- the rest). Rows of due minutes up to $4, which an earlier load read, are read again
 -- only when due by the near edge $3, and as keys alone (tenant_id NULL): the shard
 -- holds nearly all of them already and looks up the jobs of the few it does not
--- (job_classes), which a herd's re-reads would otherwise join row by row. The
--- earliest time reads everything. Two index range scans, merged in order.
+-- (job_classes), which a herd's re-reads would otherwise join row by row. $3 NULL
+-- reads none of them again: the bound on due_minute (never after next_run_at) ends
+-- that scan before it starts. The earliest time as $4 reads everything. Two index
+-- range scans, merged in order.
 (SELECT d.due_minute, d.next_run_at, d.job_id, NULL::uuid AS tenant_id, NULL::text AS pool
  FROM due_index d
  WHERE d.shard_id = $1 AND d.due_minute <= least($2::timestamptz, $4::timestamptz)
-   AND d.next_run_at <= $3::timestamptz
+   AND d.due_minute <= $3::timestamptz AND d.next_run_at <= $3::timestamptz
  ORDER BY d.due_minute, d.next_run_at, d.job_id)
 UNION ALL
 (SELECT d.due_minute, d.next_run_at, d.job_id, j.tenant_id, j.pool

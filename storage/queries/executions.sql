@@ -145,7 +145,7 @@ ON CONFLICT DO NOTHING;
 -- name: forbid_successors
 -- Cron jobs with overlap forbid whose occurrence just finished: their next
 -- occurrence is due now that nothing of theirs runs.
-SELECT job_id, schedule::text AS schedule FROM jobs
+SELECT job_id, schedule::text AS schedule, tenant_id, pool FROM jobs
 WHERE job_id = ANY($1::uuid[]) AND state = 'active' AND schedule->>'overlap' = 'forbid';
 
 -- name: unfinished_executions

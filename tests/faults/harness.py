@@ -82,6 +82,7 @@ from herdwick.redis_client import REDIS_ERRORS
 from herdwick.redis_client import connect as connect_redis
 from herdwick.storage import keys
 from herdwick.storage.db import Database
+from herdwick.storage.hot import HotTier
 from herdwick.storage.jobs import NewJob, insert_jobs
 from herdwick.storage.tenants import create_tenant
 from tests.faults import history
@@ -468,7 +469,11 @@ class Stack:
         `window_s` (seconds after the due second), then recover, drain and check."""
         assert self.parked is not None
         self.due = datetime.fromtimestamp(int(time.time() + DUE_IN_S) + 1, UTC)
-        await move_herd(self.db, self.parked, self.due)
+        client = connect_redis(self.redis_url, socket_timeout=5)
+        try:  # announced, as the gateway announces a batch submit due this soon
+            await move_herd(self.db, self.parked, self.due, hot=HotTier(client, self.prefix))
+        finally:
+            await client.aclose()
         drain_timeout_s = drain_timeout_s or DRAIN_TIMEOUT_S
         steady = asyncio.create_task(self._steady(self.due + timedelta(
             seconds=STEADY_AFTER_DUE_S)), name="the steady rate")

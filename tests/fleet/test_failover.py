@@ -30,6 +30,7 @@ from herdwick.loadtest.driver import (
 from herdwick.loadtest.jobs import due_second, move_herd, parking_time
 from herdwick.model import TenantSpec
 from herdwick.storage.db import Database
+from herdwick.storage.hot import HotTier
 from herdwick.storage.tenants import create_tenant
 from tests.faults.harness import DB_DOWN, ROOT, insert, make_jobs
 from tests.fleet.drill_worker import executions_key, runs_key
@@ -173,7 +174,7 @@ async def drill(pair, redis_url: str, redis_client, key_prefix: str, *,
             await leases_settled(db, processes[:1], time.perf_counter() + 30)
 
             due = due_second(DUE_IN_S)
-            assert await move_herd(db, parked, due) == HERD
+            assert await move_herd(db, parked, due, hot=HotTier(redis_client, key_prefix)) == HERD
             await pair.start_heartbeat()  # the lag in seconds, to within 50 ms
             await pair.caught_up()  # the herd is on the standby: what follows is dispatch
             kill_at = due.timestamp() + KILL_AFTER_DUE_S

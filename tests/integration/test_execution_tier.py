@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from herdwick.actors import shard as shards
 from herdwick.actors.sweeper import RECOVERY_GRACE_S
-from herdwick.clock import ManualClock
+from herdwick.clock import ManualClock, to_us
 from herdwick.ids import shard_of
 from herdwick.storage import keys
 from herdwick.storage.protocol import Protocol
@@ -248,35 +248,25 @@ async def test_deferred_attempts_do_not_grow_the_backoff(
     assert await protocol.fail(POOL, eid, 5, "w", '{"message": "x"}', True) == "DEAD"
 
 
-async def test_a_deferral_is_left_to_the_loads_and_a_failure_announced(
-        api, schedulers, protocol, redis_client, key_prefix, clock, monkeypatch) -> None:
-    # Announced, a job behind a breaker that stays open would come back every cool-down.
+async def test_a_deferral_goes_into_its_shard_s_heap_as_it_commits(
+        api, schedulers, protocol, redis_client, key_prefix, clock) -> None:
+    # Defer(seconds) waits exactly that: its due row is announced as a retry's is.
     job = await submit(api, schedule={"delaySeconds": 1},
                        retry={"maxAttempts": 3, "backoffSeconds": 1})
     node = await schedulers()
-    announced: list[str] = []
-    notify = node.events._hot.notify
-
-    async def recorded(messages) -> None:
-        announced.extend(m.job_id for m in messages)
-        await notify(messages)
-
-    monkeypatch.setattr(node.events._hot, "notify", recorded)
     await due_and_published(node, clock)
     eid = (await latest(redis_client, key_prefix))["execution_id"]
+    job_id = uuid.UUID(job["jobId"])
+    shard = node.shard(shard_of(job_id))
+    shard.notified.clear()
     await protocol.lease(POOL, "w", 30, eid, 1)
-    assert isinstance(await redis_client.fcall(
+    retry_at_ms = await redis_client.fcall(
         "hw_fail", 1, keys.pool_base(key_prefix, POOL), eid, 1, "w", '{"message": "busy"}',
-        "1", "100", "1"), int)
+        "1", "700", "1")
     await node.settle_events()
     assert (await execution(api, eid))["state"] == "retry_wait"
-    assert announced == []
-    await due_and_published(node, clock, shards.LOAD_INTERVAL_S + 1)  # the load finds it
-    assert (await latest(redis_client, key_prefix))["attempt"] == "2"
-    await protocol.lease(POOL, "w", 30, eid, 2)
-    await protocol.fail(POOL, eid, 2, "w", '{"message": "x"}', True)
-    await node.settle_events()
-    assert announced == [job["jobId"]]
+    await asyncio.wait_for(shard.notified.wait(), 5)
+    assert took(shard, shards.entry(int(retry_at_ms) * 1000, job_id.int))
 
 
 async def test_a_report_that_is_not_json_is_kept_as_text_and_blocks_nothing(
@@ -548,13 +538,19 @@ async def test_overlap_forbid_waits_for_the_running_occurrence(api, schedulers, 
     await protocol.lease(POOL, "w", 300, first["execution_id"], 1)
     await due_and_published(node, clock, 120)
     assert len(await ready(redis_client, key_prefix)) == 1  # still running: nothing new
+    job_id = uuid.UUID(job["jobId"])
+    shard = node.shard(shard_of(job_id))
+    shard.notified.clear()
     await protocol.complete(POOL, first["execution_id"], 1, "w", "{}")
     await node.settle_events()
     async with db.connection() as conn:
         nxt, tenant = await conn.fetchrow("SELECT next_run_at, tenant_id FROM due_index "
-                                          "WHERE job_id = $1", uuid.UUID(job["jobId"]))
+                                          "WHERE job_id = $1", job_id)
     assert nxt is not None and nxt > clock.now()
     assert str(tenant) == api.tenant_id  # the herd check counts the successor for its tenant
+    # Announced as it commits: in the heap with the clock standing still, no load since.
+    await asyncio.wait_for(shard.notified.wait(), 5)
+    assert took(shard, shards.entry(to_us(nxt), job_id.int))
     await due_and_published(node, clock, 61)
     assert len(await ready(redis_client, key_prefix)) == 2
 

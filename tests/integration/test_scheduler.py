@@ -109,6 +109,58 @@ async def test_a_cron_job_queues_each_occurrence_and_its_successor(api, schedule
     assert next_run == T0 + timedelta(minutes=15)
 
 
+async def test_a_cron_successor_is_in_its_shard_s_heap_as_its_dispatch_commits(
+        api, schedulers, redis_client, key_prefix, clock) -> None:
+    # Dispatched 30 s late, the occurrence's successor (12:02) falls in a minute the
+    # shard's first load read already, and not within NEAR_S: no load reads it now.
+    from herdwick.actors import shard as shards
+    from herdwick.clock import to_us
+
+    job = await submit(api, schedule={"cron": "* * * * *"})
+    job_id = uuid.UUID(job["jobId"])
+    clock.advance(90)
+    node = await schedulers()
+    await node.settle()
+    [entry] = await ready(redis_client, key_prefix)
+    assert entry["scheduled_for"] == "2026-12-02T12:01:00Z"
+    shard = node.shard(shard_of(job_id))
+    successor = shards.entry(to_us(T0 + timedelta(minutes=2)), job_id.int)
+    assert successor in shard._members
+
+
+async def test_every_shard_reads_its_near_rows_again_after_the_node_subscribes(
+        schedulers, redis_client, key_prefix, clock) -> None:
+    """Notifies published before the subscription (or while it was lost) reached no one."""
+    from herdwick.actors.shard import LOAD_INTERVAL_S
+    from herdwick.storage import keys
+
+    node = await schedulers()
+    channel = keys.notify_channel(key_prefix)
+    for _ in range(500):
+        if dict(await redis_client.pubsub_numsub(channel)).get(channel.encode()):
+            break
+        await asyncio.sleep(0.01)
+    shards = [node.shard(s) for s in sorted(node.shard_ids)]
+    assert shards and all(s.missed_notify for s in shards)
+    await advance(clock, LOAD_INTERVAL_S, node)
+    await node.settle()
+    assert not any(s.missed_notify for s in shards)
+
+
+async def test_a_notify_dropped_by_a_full_mailbox_marks_its_shard(schedulers, clock) -> None:
+    from herdwick.actors.base import Tick
+    from herdwick.actors.messages import NotifyDue
+
+    node = await schedulers()
+    shard_id = min(node.shard_ids)
+    shard = node.shard(shard_id)
+    shard.missed_notify = False
+    while shard.try_send(Tick()):  # no await: the actor cannot drain it meanwhile
+        pass
+    node._wake(shard_id, NotifyDue([(uuid.uuid4().int, 0, "t", "emails")]))
+    assert shard.missed_notify
+
+
 async def test_paused_and_canceled_jobs_never_dispatch(api, schedulers, redis_client,
                                                        key_prefix, clock, db) -> None:
     paused = await submit(api, name="paused", schedule={"delaySeconds": 10})
@@ -288,13 +340,17 @@ async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
     [held] = queues.readies
     assert held.handed.remaining == 1 and len(shard.heap) == 0
 
+    # The rows below come without a notify, as if it was dropped: the load that reads
+    # them is the one under test.
     await due_row(9)  # a few items waiting (steady work) do not defer a load
+    shard.missed_notify = True
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 1
 
     held.handed.remaining = DEFER_AT  # as many as a herd's: the next load is deferred
     await due_row(9)
+    shard.missed_notify = True
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 1
@@ -308,6 +364,7 @@ async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
     assert len(queues.readies) == 2 and len(shard.heap) == 0
     queues.readies[1].handed.remaining = DEFER_AT
     await due_row(9)
+    shard.missed_notify = True
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 0
@@ -316,11 +373,13 @@ async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
     assert len(shard.heap) == 1
 
 
-async def test_a_load_reads_again_only_what_falls_due_soon(api, clock, db) -> None:
-    """A row behind the last load's horizon that came without a notify is not read at
-    every load, but it is read once due within NEAR_S, before it falls due."""
+async def test_a_row_without_a_notify_is_read_again_at_the_periodic_re_read(
+        api, clock, db) -> None:
+    """Every writer announces a near-due row, so a load does not read again what an
+    earlier one read; a row whose notify was lost is read (as a key) once due within
+    NEAR_S, at the re-read every NEAR_REREAD_S, before it falls due."""
     from herdwick.actors.base import Tick
-    from herdwick.actors.shard import LOAD_INTERVAL_S, NEAR_S, ShardActor
+    from herdwick.actors.shard import LOAD_INTERVAL_S, NEAR_REREAD_S, NEAR_S, ShardActor
 
     queues = _HeldQueues()
     shard = ShardActor(7, 1, db=db, hand=queues.hand, reject=None, clock=clock)
@@ -330,18 +389,35 @@ async def test_a_load_reads_again_only_what_falls_due_soon(api, clock, db) -> No
         await conn.execute("UPDATE due_index SET shard_id = 7 WHERE job_id = $1",
                            uuid.UUID(job["jobId"]))
     clock.advance(LOAD_INTERVAL_S)
-    assert await shard.load(clock.now()) == 0  # its minute was read: not again yet
-    clock.advance(30 - LOAD_INTERVAL_S - NEAR_S)
-    assert await shard.load(clock.now()) == 1  # due within NEAR_S: read, and in the heap
+    assert await shard.load(clock.now()) == 0  # its minute was read: not again
+    clock.advance(30 - LOAD_INTERVAL_S - NEAR_S)  # due within NEAR_S, a re-read due too
+    assert 30 - NEAR_S >= NEAR_REREAD_S
+    assert await shard.load(clock.now()) == 1
     assert len(shard.heap) == 1 and not queues.readies
-    clock.advance(LOAD_INTERVAL_S)
-    assert await shard.load(clock.now()) == 0  # held: read again as a key, and skipped
     # Read as a key alone, it went in with its job's tenant and pool, looked up.
-    clock.advance(NEAR_S - LOAD_INTERVAL_S)
+    clock.advance(NEAR_S)
     await shard.handle(Tick())
     [ready] = queues.readies
     assert queues.pools == ["emails"]
     assert [tenant for tenant, _ in ready.items] == [api.tenant_id]
+
+
+async def test_a_dropped_notify_makes_the_next_load_read_the_near_rows_again(
+        api, clock, db) -> None:
+    from herdwick.actors.shard import LOAD_INTERVAL_S, NEAR_S, ShardActor
+
+    shard = ShardActor(7, 1, db=db, hand=_HeldQueues().hand, reject=None, clock=clock)
+    assert await shard.load(clock.now()) == 0
+    job = await submit(api, schedule={"delaySeconds": NEAR_S - 1})
+    async with db.connection() as conn:
+        await conn.execute("UPDATE due_index SET shard_id = 7 WHERE job_id = $1",
+                           uuid.UUID(job["jobId"]))
+    clock.advance(LOAD_INTERVAL_S)
+    assert await shard.load(clock.now()) == 0  # no re-read due, and no loss known
+    shard.missed_notify = True  # as the scheduler marks a shard whose notify it dropped
+    clock.advance(LOAD_INTERVAL_S)
+    assert await shard.load(clock.now()) == 1
+    assert not shard.missed_notify
 
 
 async def test_a_node_s_shards_load_spread_over_the_load_interval(clock, db) -> None:
@@ -375,9 +451,10 @@ async def test_a_re_read_key_whose_job_is_gone_is_passed_over(api, clock, db) ->
     async with db.connection() as conn:
         await conn.execute("INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)"
                            " VALUES (7, $1, $2, $3)", due_minute(due), due, uuid.uuid4())
+    shard.missed_notify = True  # so this load reads the row again
     clock.advance(LOAD_INTERVAL_S)
     assert await shard.load(clock.now()) == 0
-    assert shard.heap == []
+    assert shard.heap == [] and not shard.missed_notify
 
 
 async def test_work_whose_hand_over_was_lost_is_handed_again(api, clock, db) -> None:
