@@ -57,8 +57,12 @@ READ_RETRY_S = 1.0  # pause after a failed read before the next
 UNBLOCK_RETRY_S = 0.05  # stop() re-sends CLIENT UNBLOCK this often until the read returns
 ERROR_MESSAGE_MAX_BYTES = 4096
 MAX_PIPELINE = 1000  # calls per pipeline: bounds one round trip, and the server's time on it
-REPORT_ATTEMPTS = 3  # complete/fail are fenced, so resending one is safe
-REPORT_RETRY_S = 0.2
+# complete/fail are fenced, so resending one is safe: a refused report (Redis away or
+# full) is sent at least this many times, and again for as long as the lease holds, since
+# one that never lands means the attempt runs again once the lease lapses.
+REPORT_ATTEMPTS = 3
+REPORT_RETRY_S = 0.2  # times the tries so far, up to REPORT_RETRY_MAX_S, jittered
+REPORT_RETRY_MAX_S = 1.0
 SETTLE_S = 5.0  # how long a cancelled handler may take to unwind before it is abandoned
 # Completions are kept this long (at most EVIDENCE_MAX of them, about 0.7 KB each) to be
 # sent again if Redis comes back empty before their events reached Postgres: well past
@@ -661,15 +665,18 @@ class _Execution:
             # debug: one line per execution would cost more than the execution at 5,000/s
             if log.is_enabled(logging.DEBUG):
                 log.debug("execution_" + said, **m.ids())
-        elif (tries := self._tries + 1) < REPORT_ATTEMPTS:  # complete/fail are fenced: resend
-            self._tries = tries
-            log.warning("report_failed", **m.ids(), tries=tries, error=exc)
-            self._loop.call_later(REPORT_RETRY_S * tries * random.uniform(0.5, 1.0),
-                                  self._report, outcome)
-            return
-        else:  # the lease lapses and the reaper counts the attempt as failed
+        else:
+            self._tries += 1
+            delay_s = min(REPORT_RETRY_S * self._tries, REPORT_RETRY_MAX_S) \
+                * random.uniform(0.5, 1.0)
+            if self._tries < REPORT_ATTEMPTS or self._loop.time() + delay_s < self._lease.deadline:
+                if self._tries == 1:  # once: an outage would log each execution every second
+                    log.warning("report_failed", **m.ids(), error=exc)
+                self._loop.call_later(delay_s, self._report, outcome)
+                return
+            # The lease lapses and the reaper counts the attempt as failed.
             self._calls.metrics.ended("unreported")
-            log.error("report_abandoned", **m.ids(), error=exc)
+            log.error("report_abandoned", **m.ids(), tries=self._tries, error=exc)
         self._end()
 
     def _end(self) -> None:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+import herdwick
 from tests.faults.harness import LEASE_S, Stack
 from tests.faults.redis_server import RedisServer
 from tests.faults.stall_proxy import StallProxy
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 FULL_S = (2.0, 4.0)  # how long Redis stays at its maxmemory
 FULL_HEADROOM_BYTES = 64 * 1024  # maxmemory: what it used when filled, plus this
+REFUSED_S = 2.0  # how long Redis refuses a worker's report
 STALL_S = (3.0, 5.0)  # how long the schedulers' link to Redis holds every byte
 
 
@@ -75,6 +77,50 @@ async def test_redis_at_maxmemory_with_noeviction(db_url, key_prefix, redis_serv
     assert seen["oom errors"], "Redis refused nothing: it was never full"
     assert set(stack.steady_statuses) == {201}, stack.steady_statuses
     result.assert_sound()
+
+
+async def test_a_worker_resends_a_refused_report_while_its_lease_holds(
+        key_prefix, redis_server) -> None:
+    """A completion Redis refuses (full, noeviction) for longer than a few quick retries
+    is sent again until it lands, not dropped: dropped, the attempt would run again once
+    its lease lapsed."""
+    from herdwick.storage import keys
+    from herdwick.storage.hot import HotTier
+    from tests.integration.test_worker import _events, make_execution
+
+    pool = "emails"
+    admin = aioredis.from_url(redis_server.url)
+    hot = HotTier(admin, key_prefix)
+    await hot.load_functions()
+    execution = make_execution()
+    assert await hot.publish({pool: [execution]}) == 1
+    ran, release = asyncio.Event(), asyncio.Event()
+
+    async def handler(ctx) -> dict:
+        ran.set()
+        await release.wait()
+        return {"ok": True}
+
+    worker = herdwick.Worker(redis_server.url, pool, 1, key_prefix=key_prefix, lease_s=30)
+    worker.handler(handler)
+    running = asyncio.create_task(worker.run())
+    try:
+        await asyncio.wait_for(ran.wait(), 10)
+        await admin.config_set("maxmemory", 1)  # every write refused from here
+        release.set()
+        await asyncio.sleep(REFUSED_S)  # past the three quick tries (about 0.6 s)
+        await admin.config_set("maxmemory", 0)
+        events = keys.events_stream(key_prefix, pool)
+        for _ in range(100):
+            kinds = [e["type"] for _, f in await admin.xrange(events) for e in _events(f)]
+            if "completed" in kinds:
+                break
+            await asyncio.sleep(0.1)
+        assert kinds == ["leased", "completed"]
+    finally:
+        await asyncio.wait_for(worker.stop(), 10)
+        await running
+        await admin.aclose()
 
 
 async def test_a_network_stall_between_the_schedulers_and_redis(
