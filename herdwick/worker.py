@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
 from redis.exceptions import RedisError, ResponseError
 
 from herdwick import logs, redis_client, telemetry
@@ -63,6 +64,13 @@ MAX_PIPELINE = 1000  # calls per pipeline: bounds one round trip, and the server
 REPORT_ATTEMPTS = 3
 REPORT_RETRY_S = 0.2  # times the tries so far, up to REPORT_RETRY_MAX_S, jittered
 REPORT_RETRY_MAX_S = 1.0
+# The refusals that pass by themselves (Redis away, full, loading, failing over): only
+# these are resent past the first tries. Any other (a reply out of contract) would only
+# come again.
+_PASSING = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError,
+            redis_errors.OutOfMemoryError, redis_errors.BusyLoadingError,
+            redis_errors.ReadOnlyError, redis_errors.TryAgainError,
+            redis_errors.ClusterDownError, redis_errors.MasterDownError)
 SETTLE_S = 5.0  # how long a cancelled handler may take to unwind before it is abandoned
 # Completions are kept this long (at most EVIDENCE_MAX of them, about 0.7 KB each) to be
 # sent again if Redis comes back empty before their events reached Postgres: well past
@@ -669,7 +677,8 @@ class _Execution:
             self._tries += 1
             delay_s = min(REPORT_RETRY_S * self._tries, REPORT_RETRY_MAX_S) \
                 * random.uniform(0.5, 1.0)
-            if self._tries < REPORT_ATTEMPTS or self._loop.time() + delay_s < self._lease.deadline:
+            holds = self._loop.time() + delay_s < self._lease.deadline
+            if self._tries < REPORT_ATTEMPTS or (isinstance(exc, _PASSING) and holds):
                 if self._tries == 1:  # once: an outage would log each execution every second
                     log.warning("report_failed", **m.ids(), error=exc)
                 self._loop.call_later(delay_s, self._report, outcome)
