@@ -123,6 +123,37 @@ async def test_a_worker_resends_a_refused_report_while_its_lease_holds(
         await admin.aclose()
 
 
+async def test_a_scheduler_whose_notify_subscription_drops_re_reads_its_near_rows(
+        db_url, key_prefix, redis_server) -> None:
+    """Notifies published while a node was not subscribed reached no shard: once it is
+    subscribed again, each of its shards reads its near rows again at its next load."""
+    from datetime import UTC, datetime
+
+    from herdwick.actors.scheduler import Scheduler
+    from herdwick.clock import ManualClock
+    from herdwick.config import Settings
+
+    admin = aioredis.from_url(redis_server.url)
+    node = Scheduler(Settings(database_url=db_url, redis_url=redis_server.url,
+                              key_prefix=key_prefix),
+                     clock=ManualClock(datetime.now(UTC)), tick=False)
+    await node.start()
+    try:
+        await asyncio.wait_for(node._subscribed.wait(), 10)
+        shards = [node.shard(s) for s in sorted(node.shard_ids)]
+        for shard in shards:
+            shard.missed_notify = False
+        assert await admin.client_kill_filter(_type="pubsub") == 1
+        for _ in range(100):
+            if all(shard.missed_notify for shard in shards):
+                break
+            await asyncio.sleep(0.1)
+        assert shards and all(shard.missed_notify for shard in shards)
+    finally:
+        await node.stop()
+        await admin.aclose()
+
+
 async def test_a_network_stall_between_the_schedulers_and_redis(
         db_url, key_prefix, redis_server) -> None:
     proxy = StallProxy("127.0.0.1", redis_server.port)
