@@ -34,7 +34,7 @@ import msgspec
 from herdwick import logs
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor
-from herdwick.actors.messages import Due, LeaseLost, NotifyDue, Publish, Reject
+from herdwick.actors.messages import Announced, Due, LeaseLost, Publish, Reject
 from herdwick.actors.shard import ANNOUNCE_S
 from herdwick.clock import Clock, to_us
 from herdwick.errors import Rejected, row_error
@@ -165,7 +165,7 @@ class DispatchActor(Actor):
                  publish: Callable[[str, Publish], Awaitable[None]],
                  lease_lost: Callable[[LeaseLost], Awaitable[None]],
                  cancel: Callable[[str, str], Awaitable[None]] | None = None,
-                 announce: Callable[[int, NotifyDue], None] | None = None,
+                 announce: Callable[[list[Announced]], None] | None = None,
                  db_now: bool = False) -> None:
         super().__init__(clock=clock)
         self._db = db
@@ -173,8 +173,8 @@ class DispatchActor(Actor):
         self._publish = publish
         self._lease_lost = lease_lost
         self._cancel = cancel
-        # (shard, due row) to this node's shard actor: a cron successor is in the heap
-        # at once, not at the shard's next re-read of its near rows.
+        # Due rows to this node's shard actors: a cron successor is in the heap at once,
+        # not at the shard's next re-read of its near rows.
         self._announce = announce
         # True: leases are checked against the database clock (production);
         # False: against the injected clock (tests move time).
@@ -252,20 +252,15 @@ class DispatchActor(Actor):
             publish = ready.get(pool, Publish([], []))
             await self._publish(pool, Publish(publish.items, publish.scheduled_us,
                                               pool_dues.get(pool, [])))
+        # Only when a successor or a replaced run needs it: not for a herd of one-offs.
+        pools = {c.job_id: c.pool for c in result.claimed} \
+            if result.next_due or result.replaced else {}
         if result.next_due and self._announce is not None:
-            pools = {c.job_id: c.pool for c in result.claimed}
-            by_shard: dict[int, list[tuple[int, int, str, str]]] = {}
-            near = now + timedelta(seconds=ANNOUNCE_S)
-            for due in result.next_due:
-                if due.next_run_at > near:  # an hourly herd's successors: the loads'
-                    continue
-                by_shard.setdefault(due.shard_id, []).append(
-                    (due.job_id.int, to_us(due.next_run_at), str(due.tenant_id or ""),
-                     pools[due.job_id]))
-            for shard_id, entries in by_shard.items():
-                self._announce(shard_id, NotifyDue(entries))
+            near = now + timedelta(seconds=ANNOUNCE_S)  # an hourly herd's: the loads'
+            self._announce([(due.shard_id, due.job_id.int, to_us(due.next_run_at),
+                             str(due.tenant_id or ""), pools[due.job_id])
+                            for due in result.next_due if due.next_run_at <= near])
         if result.replaced and self._cancel is not None:
-            pools = {c.job_id: c.pool for c in result.claimed}
             for execution_id, job_id in result.replaced:
                 await self._cancel(pools[job_id], str(execution_id))
         self.dispatched += len(result.queued)

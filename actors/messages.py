@@ -39,6 +39,10 @@ def item_shard(work: int) -> int:
     return work >> _JOB_BITS & 0xFF
 
 
+# A due row as announced: (shard id, job id as int, due time in us, tenant id, pool).
+Announced = tuple[int, int, int, str, str]
+
+
 class NotifyDue(msgspec.Struct, frozen=True):
     """Due rows just written, announced to their shard's actor (gateway, event folder and
     dispatch -> shard actor): (job id as int, due time in us, tenant id, pool) each. An

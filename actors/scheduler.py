@@ -35,7 +35,7 @@ from herdwick.actors.maintenance import (
     Retain,
     SyncSigning,
 )
-from herdwick.actors.messages import Forget, LeaseLost, NotifyDue, Publish, Ready
+from herdwick.actors.messages import Announced, Forget, LeaseLost, NotifyDue, Publish, Ready
 from herdwick.actors.reaper import INTERVAL_S as REAPER_INTERVAL_S
 from herdwick.actors.reaper import Reaper
 from herdwick.actors.shard import ShardActor
@@ -128,7 +128,7 @@ class Scheduler:
         for i in range(self._dispatch_count + 1):
             actor = DispatchActor(db=self.db, node_id=self.node_id, clock=self.clock,
                                   publish=self._publish, lease_lost=self._lease_lost,
-                                  cancel=self._cancel_execution, announce=self._wake,
+                                  cancel=self._cancel_execution, announce=self._announce,
                                   db_now=self._db_now)
             self.dispatchers.append(actor)
             await self._core.start(f"dispatch-{i}", lambda a=actor: a, restart=True)
@@ -316,15 +316,22 @@ class Scheduler:
                                        delay_s * (0.5 + random.random()))
 
     def _wake_shards(self, data: bytes) -> None:
-        by_shard: dict[int, list[tuple[int, int, str, str]]] = {}
+        due: list[Announced] = []
         for note in decode_notify(data):
             if note.shard_id < 0:  # sync_notifies' mark
                 if (mark := self._notify_marks.pop(note.job_id, None)) is not None:
                     mark.set_result(None)
             elif self.shard(note.shard_id) is not None:
-                by_shard.setdefault(note.shard_id, []).append(
-                    (uuid.UUID(note.job_id).int, note.next_run_at_us, note.tenant_id,
-                     note.pool))
+                due.append((note.shard_id, uuid.UUID(note.job_id).int, note.next_run_at_us,
+                            note.tenant_id, note.pool))
+        self._announce(due)
+
+    def _announce(self, due: list[Announced]) -> None:
+        """Due rows to their shards' actors on this node, one message a shard (the
+        notify channel's, and the dispatch actors' cron successors)."""
+        by_shard: dict[int, list[tuple[int, int, str, str]]] = {}
+        for shard_id, *entry in due:
+            by_shard.setdefault(shard_id, []).append(tuple(entry))
         for shard_id, entries in by_shard.items():
             self._wake(shard_id, NotifyDue(entries))
 

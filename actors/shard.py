@@ -39,6 +39,7 @@ from herdwick.ids import SHARD_COUNT
 from herdwick.storage import dispatch as store
 from herdwick.storage.db import Database
 from herdwick.storage.dispatch import DueKey, DueRow
+from herdwick.storage.jobs import due_minute
 
 log = logs.get("herdwick.shard")
 
@@ -180,7 +181,7 @@ class ShardActor(Actor):
         A row announced beyond it is left to the load that reaches its minute."""
         if self._read_until is None:
             return to_us(now) + int(LOOKAHEAD_S * 1e6)
-        return to_us(self._read_until.replace(second=0, microsecond=0)) + 60_000_000 - 1
+        return to_us(due_minute(self._read_until)) + 60_000_000 - 1
 
     def _defer_load(self, now_us: int) -> bool:
         self._unsettled = [h for h in self._unsettled if h.pending(now_us, HANDED_TTL_S)]
