@@ -220,6 +220,12 @@ async def test_retry_delays_grow_exponentially_within_their_window(
         await due_and_published(node, clock, d_ms / 1000 + 1)
 
 
+async def defer(redis_client, key_prefix: str, eid: str, attempt: int, delay_ms: int) -> int:
+    """A worker defers its leased attempt (`herdwick.Defer`); -> when it comes back (ms)."""
+    return await redis_client.fcall("hw_fail", 1, keys.pool_base(key_prefix, POOL), eid,
+                                    attempt, "w", '{"message": "busy"}', "1", str(delay_ms), "1")
+
+
 async def test_deferred_attempts_do_not_grow_the_backoff(
         api, schedulers, protocol, redis_client, key_prefix, clock) -> None:
     # A deferral is not a try: after three, the first failure draws the first try's delay
@@ -229,11 +235,9 @@ async def test_deferred_attempts_do_not_grow_the_backoff(
     node = await schedulers()
     await due_and_published(node, clock)
     eid = (await latest(redis_client, key_prefix))["execution_id"]
-    base = keys.pool_base(key_prefix, POOL)
     for attempt in (1, 2, 3):
         await protocol.lease(POOL, "w", 30, eid, attempt)
-        assert isinstance(await redis_client.fcall(
-            "hw_fail", 1, base, eid, attempt, "w", '{"message": "busy"}', "1", "100", "1"), int)
+        assert isinstance(await defer(redis_client, key_prefix, eid, attempt, 100), int)
         await node.settle_events()
         await due_and_published(node, clock, 2)
         assert (await latest(redis_client, key_prefix))["attempt"] == str(attempt + 1)
@@ -260,9 +264,7 @@ async def test_a_deferral_goes_into_its_shard_s_heap_as_it_commits(
     shard = node.shard(shard_of(job_id))
     shard.notified.clear()
     await protocol.lease(POOL, "w", 30, eid, 1)
-    retry_at_ms = await redis_client.fcall(
-        "hw_fail", 1, keys.pool_base(key_prefix, POOL), eid, 1, "w", '{"message": "busy"}',
-        "1", "700", "1")
+    retry_at_ms = await defer(redis_client, key_prefix, eid, 1, 700)
     await node.settle_events()
     assert (await execution(api, eid))["state"] == "retry_wait"
     await asyncio.wait_for(shard.notified.wait(), 5)
