@@ -14,6 +14,7 @@ import collections
 import contextlib
 import functools
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
@@ -22,6 +23,7 @@ import msgspec
 from herdwick import logs, telemetry
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor, Tick
+from herdwick.actors.messages import Announced
 from herdwick.actors.shard import ANNOUNCE_S
 from herdwick.clock import Clock, to_us
 from herdwick.errors import Rejected, row_error
@@ -219,10 +221,12 @@ class ExecutionEvents(Actor):
     name = "execution-events"
 
     def __init__(self, *, db: Database, hot: HotTier, protocol: Protocol, node_id: str,
-                 clock: Clock, db_now: bool = False) -> None:
+                 clock: Clock, db_now: bool = False,
+                 announce: Callable[[list[Announced]], None] | None = None) -> None:
         super().__init__(clock=clock)
         self._db = db
         self._hot = hot
+        self._announce_here = announce  # to this node's shard actors
         self._protocol = protocol
         self._node_id = node_id
         self._db_now = db_now
@@ -367,8 +371,9 @@ class ExecutionEvents(Actor):
         """The due rows just committed (retries, deferrals, forbid-overlap successors) go
         into their shards' heaps now, as a submit's job does: shards re-read their near
         rows only every NEAR_REREAD_S, so one left to that would start up to that late.
-        Best effort, as the gateway's: a lost notify waits for that re-read. A retry whose
-        update the fence refused has no due row; its entry is claimed as nothing."""
+        Best effort, as the gateway's: when the publish fails, this node's own shards
+        still get theirs; another node's wait for that re-read. A retry whose update the
+        fence refused has no due row; its entry is claimed as nothing."""
         horizon = self.clock.now() + timedelta(seconds=ANNOUNCE_S)
         where = {e.execution_id: (e.tenant_id, pool) for pool, e in events}
         notes = [NotifyMessage(shard_of(uuid.UUID(u.job_id)), u.job_id, to_us(u.retry_at),
@@ -385,6 +390,9 @@ class ExecutionEvents(Actor):
             await self._hot.notify(notes)
         except (*REDIS_ERRORS, OSError) as exc:
             log.warning("notify_failed", count=len(notes), error=exc)
+            if self._announce_here is not None:
+                self._announce_here([(n.shard_id, uuid.UUID(n.job_id).int, n.next_run_at_us,
+                                      n.tenant_id, n.pool) for n in notes])
 
     async def _apply(self, folded: _Folded) -> list[Successor]:
         """Apply a folded batch; if Postgres refuses something in it, isolate what it refuses.

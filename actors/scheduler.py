@@ -178,7 +178,7 @@ class Scheduler:
     def _new_events(self) -> ExecutionEvents:
         self.events = ExecutionEvents(db=self.db, hot=self.hot, protocol=self.protocol,
                                       node_id=self.node_id, clock=self.clock,
-                                      db_now=self._db_now)
+                                      db_now=self._db_now, announce=self._announce)
         return self.events
 
     def _new_reaper(self) -> Reaper:
@@ -340,14 +340,14 @@ class Scheduler:
         drops the note: the shard then re-reads its near rows at its next load."""
         actor = self.shard(shard_id)
         if actor is not None and not actor.try_send(note):
-            actor.missed_notify = True
+            actor.mark_missed()
 
     def _reread_all(self) -> None:
         """Notifies published while this node was not subscribed are lost: every shard
         re-reads its near rows at its next load."""
         for shard_id in self.shard_ids:
             if (actor := self.shard(shard_id)) is not None:
-                actor.missed_notify = True
+                actor.mark_missed()
 
     async def settle_events(self) -> int:
         """Test signal: apply what is on the events streams now; returns how many events.

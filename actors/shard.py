@@ -1,21 +1,25 @@
 """The shard actor: the next minute or two of one shard's due work, in a min-heap.
 
-Loader: every LOAD_INTERVAL_S, a range scan of the shard's due_index up to
-now + LOOKAHEAD_S, deduplicated into the heap. What an earlier load read is not
+Loader: a range scan of the shard's due_index up to now + LOOKAHEAD_S, in
+whole minutes, deduplicated into the heap. What an earlier load read is not
 read again: every writer of a due row within the horizon announces it (the
 gateway's submits, resumes and triggers, the event folder's retries and
 forbid-overlap successors, the dispatch's cron successors), so the heap holds
-it already. Lost announcements are the exception, and for them the rows due
-within NEAR_S (overdue included) are read again, as keys alone (the jobs of the
-few keys the shard does not hold are looked up), every NEAR_REREAD_S, at the
-next load after a dropped notify or a new subscription, and when a hand-over
-lapsed: a herd is read about once, where it was read every load while near.
+it already. So a shard loads only when a load can find something: when the
+next minute enters its horizon (once a minute, at the shard's own point of a
+LOAD_INTERVAL_S spread), and for lost announcements, whose rows due within
+NEAR_S (overdue included) are read again, as keys alone (the jobs of the few
+keys the shard does not hold are looked up), every NEAR_REREAD_S, at once
+after a dropped notify or a new subscription, and when a hand-over lapsed. A
+herd is read about once, and an idle shard reads about 7 times a minute, not 30.
 Popper: wakes PREPARE_S before the heap top falls due (or on a notify), pops
-every entry due by then and hands them to their pools' fair queues
-(actors/fairqueue.py), which hold each until it is due and send it on to the
-dispatch actors when the pool's stream has room. Handing over early moves the
-Python work of a herd (a few us an entry, all in one event loop) out of the
-due second, so its first dispatch does not wait behind the rest's hand-over.
+every entry due by then and within HAND_SPAN_S after, and hands them to their
+pools' fair queues (actors/fairqueue.py), which hold each until it is due and
+send it on to the dispatch actors when the pool's stream has room. Handing over
+early moves the Python work of a herd (a few us an entry, all in one event loop)
+out of the due second, so its first dispatch does not wait behind the rest's
+hand-over; handing a span over at once wakes a shard about once a second under
+steady work, not once a job.
 
 Heap entries are single ints, `due_us << 160 | class << 128 | job_id.int`, so
 ordering by int is ordering by due time, and an entry costs one int object
@@ -43,6 +47,8 @@ from herdwick.storage.jobs import due_minute
 
 log = logs.get("herdwick.shard")
 
+# A node's shards load spread over this much (each at its own point of it), and a load
+# cut short by LOAD_LIMIT goes on this soon.
 LOAD_INTERVAL_S = 2.0
 LOOKAHEAD_S = 60.0
 # Loads read whole minutes, up to the one a minute ahead, once: a row written due within
@@ -71,6 +77,10 @@ POP_GATHER_S = 0.02
 # due: a herd due across one second is all handed over before its first job is due (a
 # 100,000 herd's hand-over takes the loop about 0.4 s).
 PREPARE_S = 1.0
+# A pass also takes what falls due within this after PREPARE_S: under steady work (a few
+# jobs a second a shard) a shard then wakes about once a second, not once a job (each
+# wake a timer, a hand-over message and a fair-queue wake).
+HAND_SPAN_S = 1.0
 RECENT_TTL_S = 3 * LOAD_INTERVAL_S
 # Work handed to the fair queue and not settled after this long is loaded and handed
 # again: a hand-over lost on the way (a dispatch that died with its batch) would else
@@ -139,7 +149,7 @@ class ShardActor(Actor):
         if self.heap:
             wake_us = min(wake_us, max(entry_due_us(self.heap[0]) - int(PREPARE_S * 1e6),
                                        self._next_pop_us))
-        return min(max(0.0, (wake_us - now_us) / 1e6), LOAD_INTERVAL_S)
+        return min(max(0.0, (wake_us - now_us) / 1e6), NEAR_REREAD_S)
 
     async def on_start(self) -> None:
         now = self.clock.now()
@@ -175,6 +185,15 @@ class ShardActor(Actor):
                 await self.load(now)
         await self.dispatch_due(now)
 
+    def mark_missed(self) -> None:
+        """A notify of this shard's was lost (a full mailbox, a new subscription): its
+        next load, soon, reads the near rows again. Called by the scheduler, on this loop."""
+        self.missed_notify = True
+        soon_us = to_us(self.clock.now()) + int(LOAD_INTERVAL_S * 1e6 * load_phase(self.shard_id))
+        if soon_us < self._next_load_us:
+            self._next_load_us = soon_us
+            self.try_send(Tick())  # asleep until a later load: wait for this one instead
+
     def _read_until_us(self, now: datetime) -> int:
         """The end of what the loads have read: they read whole minutes, up to the one
         that holds the last horizon, and do not read them again (but for lost notifies).
@@ -205,18 +224,24 @@ class ShardActor(Actor):
         """One range scan into the heap; returns how many entries it added."""
         horizon = now + timedelta(seconds=LOOKAHEAD_S)
         now_us = to_us(now)
-        lapsed = len(self._handed)
-        self._handed = {v: h for v, h in self._handed.items()
-                        if h.pending(now_us, HANDED_TTL_S)}
-        lapsed -= len(self._handed)
-        reread = self.missed_notify or lapsed > 0 or now_us >= self._next_reread_us
+        # Settled batches are forgotten; lapsed ones (items left past HANDED_TTL_S) are
+        # why their rows are read again now.
+        handed, lapsed = self._handed, False
+        self._handed = {}
+        for value, batch in handed.items():
+            if batch.pending(now_us, HANDED_TTL_S):
+                self._handed[value] = batch
+            elif batch.remaining > 0:
+                lapsed = True
+        reread = self.missed_notify or lapsed or now_us >= self._next_reread_us
         if reread:
             self.missed_notify = False
             self._next_reread_us = now_us + int(NEAR_REREAD_S * 1e6)
         rows = await store.load_due(self._db, self.shard_id, horizon,
                                     now + timedelta(seconds=NEAR_S) if reread else None,
                                     self._read_until)
-        if len(rows) < store.LOAD_LIMIT:  # a cut-short read covered less: read it again
+        cut_short = len(rows) >= store.LOAD_LIMIT  # it covered less: read the rest soon
+        if not cut_short:
             self._read_until = horizon
         self._forget_old_recent(now)
         added = 0
@@ -240,11 +265,23 @@ class ShardActor(Actor):
                 if (found := classes.get(row.job_id)) is not None and self._push(
                         entry(due_us, job, self._class(*found))):
                     added += 1
-        self._next_load_us = to_us(now) + int(LOAD_INTERVAL_S * 1e6)
+        self._next_load_us = self._next_load_at(now_us, cut_short)
         self._load_due_since_us = None
         if bad:
             await self._reject(bad)
         return added
+
+    def _next_load_at(self, now_us: int, cut_short: bool) -> int:
+        """When a load can next find something: the rest of a cut-short read, the next
+        minute entering the horizon (at this shard's point of the spread), or the next
+        re-read of near rows, whichever comes first."""
+        if cut_short or self._read_until is None:
+            return now_us + int(LOAD_INTERVAL_S * 1e6)
+        # Horizon now + LOOKAHEAD_S reaches the minute after the last one read then.
+        next_minute_us = (to_us(due_minute(self._read_until)) + 60_000_000
+                          - int(LOOKAHEAD_S * 1e6)
+                          + int(LOAD_INTERVAL_S * 1e6 * load_phase(self.shard_id)))
+        return max(now_us, min(next_minute_us, self._next_reread_us))
 
     async def _reject(self, rows: list[DueRow]) -> None:
         keys = [DueKey(self.shard_id, r.next_run_at, r.job_id) for r in rows]
@@ -261,7 +298,7 @@ class ShardActor(Actor):
         return True
 
     def pop_due(self, now: datetime, limit: int = MAX_POP,
-                ahead_s: float = PREPARE_S) -> dict[str, list[tuple[str, int, int]]]:
+                ahead_s: float = PREPARE_S + HAND_SPAN_S) -> dict[str, list[tuple[str, int, int]]]:
         """What is due within `ahead_s`, by pool: (tenant id, fair-queue item, entry key),
         in due order."""
         stamp = to_us(now)

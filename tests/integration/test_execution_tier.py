@@ -186,8 +186,10 @@ async def test_a_retry_goes_into_its_shard_s_heap_as_it_commits_not_at_the_next_
     assert took(shard, key)
 
 
-async def test_a_retry_whose_notify_is_lost_is_found_by_the_next_load(
+async def test_a_retry_whose_notify_is_lost_still_reaches_this_node_s_shard(
         api, schedulers, protocol, redis_client, key_prefix, clock, monkeypatch) -> None:
+    # Another node's shard would find it at its next re-read of near rows
+    # (test_a_row_without_a_notify_is_read_again_at_the_periodic_re_read).
     node = await schedulers()
 
     async def lost(messages) -> None:
@@ -195,11 +197,12 @@ async def test_a_retry_whose_notify_is_lost_is_found_by_the_next_load(
 
     monkeypatch.setattr(node.events._hot, "notify", lost)
     key, shard, eid = await failed_once(api, node, protocol, redis_client, key_prefix, clock)
-    await node.settle_events()
+    await node.settle_events()  # the clock stands still: no shard loads meanwhile
     assert (await execution(api, eid))["state"] == "retry_wait"  # committed and acked all
     assert await redis_client.xrange(keys.events_stream(key_prefix, POOL)) == []  # the same
-    assert not took(shard, key)
-    await due_and_published(node, clock, shards.LOAD_INTERVAL_S + 1)
+    await asyncio.wait_for(shard.notified.wait(), 5)
+    assert took(shard, key)
+    await due_and_published(node, clock, 1.5)
     retried = await latest(redis_client, key_prefix)
     assert (retried["execution_id"], retried["attempt"]) == (eid, "2")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -340,14 +340,14 @@ async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
     # The rows below come without a notify, as if it was dropped: the load that reads
     # them is the one under test.
     await due_row(9)  # a few items waiting (steady work) do not defer a load
-    shard.missed_notify = True
+    shard.mark_missed()
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 1
 
     held.handed.remaining = DEFER_AT  # as many as a herd's: the next load is deferred
     await due_row(9)
-    shard.missed_notify = True
+    shard.mark_missed()
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 1
@@ -361,7 +361,7 @@ async def test_a_shard_defers_its_loads_while_its_work_waits_in_the_fair_queue(
     assert len(queues.readies) == 2 and len(shard.heap) == 0
     queues.readies[1].handed.remaining = DEFER_AT
     await due_row(9)
-    shard.missed_notify = True
+    shard.mark_missed()
     clock.advance(LOAD_INTERVAL_S)
     await shard.handle(Tick())
     assert len(shard.heap) == 0
@@ -411,7 +411,7 @@ async def test_a_dropped_notify_makes_the_next_load_read_the_near_rows_again(
                            uuid.UUID(job["jobId"]))
     clock.advance(LOAD_INTERVAL_S)
     assert await shard.load(clock.now()) == 0  # no re-read due, and no loss known
-    shard.missed_notify = True  # as the scheduler marks a shard whose notify it dropped
+    shard.mark_missed()  # as the scheduler marks a shard whose notify it dropped
     clock.advance(LOAD_INTERVAL_S)
     assert await shard.load(clock.now()) == 1
     assert not shard.missed_notify
@@ -419,8 +419,7 @@ async def test_a_dropped_notify_makes_the_next_load_read_the_near_rows_again(
 
 async def test_a_node_s_shards_load_spread_over_the_load_interval(clock, db) -> None:
     """After its first load each shard loads again at its own point of the interval (set
-    by its id), then every LOAD_INTERVAL_S: a node's loads never come all at once."""
-    from herdwick.actors.base import Tick
+    by its id): a node's loads never come all at once."""
     from herdwick.actors.shard import LOAD_INTERVAL_S, ShardActor
 
     shards = [ShardActor(shard_id, 1, db=db, hand=_HeldQueues().hand, reject=None,
@@ -431,9 +430,81 @@ async def test_a_node_s_shards_load_spread_over_the_load_interval(clock, db) -> 
     assert 0 < waits[0] < waits[1] < waits[2] == LOAD_INTERVAL_S
     assert waits[0] < LOAD_INTERVAL_S / 100
     assert abs(waits[1] - LOAD_INTERVAL_S / 2) < LOAD_INTERVAL_S / 100
-    clock.advance(waits[0])
-    await shards[0].handle(Tick())  # its second load: the next is a whole interval on
-    assert shards[0].idle_timeout() == LOAD_INTERVAL_S
+
+
+async def test_an_idle_shard_loads_only_when_a_load_can_find_something(
+        api, clock, db, monkeypatch) -> None:
+    """Every near-due row is announced, so a shard reads again only to re-read its near
+    rows (every NEAR_REREAD_S) and when the next minute enters its horizon (once a
+    minute): not every LOAD_INTERVAL_S."""
+    from herdwick.actors import shard as shards
+    from herdwick.actors.base import Tick
+    from herdwick.storage import dispatch as store
+
+    loads: list[datetime] = []
+    real_load_due = store.load_due
+
+    async def counted(*args, **kwargs):
+        loads.append(clock.now())
+        return await real_load_due(*args, **kwargs)
+
+    monkeypatch.setattr(store, "load_due", counted)
+    shard = shards.ShardActor(7, 1, db=db, hand=_HeldQueues().hand, reject=None,
+                              clock=clock)
+    await shard.on_start()
+    clock.advance(shard.idle_timeout())
+    await shard.handle(Tick())  # the re-read after the first load
+    assert len(loads) == 2 and shard.idle_timeout() == shards.NEAR_REREAD_S
+    # A row due beyond ANNOUNCE_S (so not announced), in the minute after those read:
+    # the load that reaches its minute reads it.
+    job = await submit(api, schedule={"delaySeconds": shards.ANNOUNCE_S + 10})
+    async with db.connection() as conn:
+        await conn.execute("UPDATE due_index SET shard_id = 7 WHERE job_id = $1",
+                           uuid.UUID(job["jobId"]))
+    for _ in range(40):  # ticks every LOAD_INTERVAL_S up to the next minute
+        clock.advance(shards.LOAD_INTERVAL_S)
+        await shard.handle(Tick())
+        if shard.heap:
+            break
+    assert len(shard.heap) == 1
+    minute_load = T0 + timedelta(minutes=1)
+    assert minute_load <= loads[-1] < minute_load + timedelta(seconds=shards.LOAD_INTERVAL_S)
+    # In between, only the re-reads: one every NEAR_REREAD_S.
+    between = loads[2:-1]
+    assert len(between) == 60 // shards.NEAR_REREAD_S - 1
+    assert all((b - a).total_seconds() >= shards.NEAR_REREAD_S
+               for a, b in zip(loads[1:], between, strict=False))
+
+
+async def test_only_a_lapsed_hand_over_makes_a_load_read_near_rows_again(
+        clock, db, monkeypatch) -> None:
+    """A batch the fair queues settled is forgotten; one with items left past
+    HANDED_TTL_S (lost on the way) is why the next load reads the near rows again."""
+    from herdwick.actors import shard as shards
+    from herdwick.actors.messages import Handed
+    from herdwick.clock import to_us
+    from herdwick.storage import dispatch as store
+
+    nears: list[object] = []
+    real_load_due = store.load_due
+
+    async def counted(db, shard_id, horizon, near=None, *rest):
+        nears.append(near)
+        return await real_load_due(db, shard_id, horizon, near, *rest)
+
+    monkeypatch.setattr(store, "load_due", counted)
+    shard = shards.ShardActor(7, 1, db=db, hand=_HeldQueues().hand, reject=None,
+                              clock=clock)
+    await shard.load(clock.now())  # the first load re-reads: nothing was read before
+    now_us = to_us(clock.now())
+    shard._handed = {1: Handed(0, now_us)}  # settled
+    clock.advance(shards.LOAD_INTERVAL_S)
+    await shard.load(clock.now())
+    assert nears[-1] is None and shard._handed == {}
+    shard._handed = {2: Handed(1, now_us)}  # never settled
+    clock.advance(shards.HANDED_TTL_S)
+    await shard.load(clock.now())
+    assert nears[-1] is not None and shard._handed == {}
 
 
 async def test_a_re_read_key_whose_job_is_gone_is_passed_over(api, clock, db) -> None:
@@ -448,7 +519,7 @@ async def test_a_re_read_key_whose_job_is_gone_is_passed_over(api, clock, db) ->
     async with db.connection() as conn:
         await conn.execute("INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id)"
                            " VALUES (7, $1, $2, $3)", due_minute(due), due, uuid.uuid4())
-    shard.missed_notify = True  # so this load reads the row again
+    shard.mark_missed()  # so this load reads the row again
     clock.advance(LOAD_INTERVAL_S)
     assert await shard.load(clock.now()) == 0
     assert shard.heap == [] and not shard.missed_notify
