@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import msgspec
 
 from herdwick.storage.db import Database, retrying
-from herdwick.storage.jobs import due_minute, time_span
+from herdwick.storage.jobs import due_minute
 from herdwick.storage.sql import q
 
 LOAD_LIMIT = 50_000
@@ -244,5 +244,5 @@ def _finish_args(plan: Plan) -> tuple[list, ...]:
         [j for j, _ in jn], [t for _, t in jn],
         [r.execution_id for r in rt], [r.scheduled_for for r in rt], [r.attempt for r in rt],
         [r.shard_id for r in rt], [r.next_run_at for r in rt], [r.job_id for r in rt],
-        [n.tenant_id for n in nd], *time_span([r.scheduled_for for r in rt]),
+        [n.tenant_id for n in nd],
     )

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import msgspec
 
 from herdwick.storage.db import Database, retrying
-from herdwick.storage.jobs import due_minute, time_span
+from herdwick.storage.jobs import due_minute
 from herdwick.storage.sql import q
 
 
@@ -140,8 +140,7 @@ def _events_args(updates: list[ExecutionUpdate], attempts: list[AttemptRow],
             [due_minute(u.retry_at) if r else None for u, r in zip(updates, retry, strict=True)],
             [u.retry_at if r else None for u, r in zip(updates, retry, strict=True)],
             *_attempt_args(attempts), now, with_forbid, [u.deferrals for u in updates],
-            [a.lease_until_ms for a in attempts],
-            *time_span([u.scheduled_for for u in updates] + [a.scheduled_for for a in attempts]))
+            [a.lease_until_ms for a in attempts])
 
 
 def _update_args(updates: list[ExecutionUpdate]) -> tuple[list, ...]:

@@ -207,13 +207,6 @@ def due_minute(when: datetime) -> datetime:
     return when.replace(second=0, microsecond=0)
 
 
-def time_span(times: list[datetime]) -> tuple[datetime | None, datetime | None]:
-    """The earliest and latest finite time (asyncpg's infinities are naive), or NULLs:
-    the bounds a statement prunes the executions partitions by."""
-    finite = [t for t in times if t.tzinfo is not None]
-    return (min(finite), max(finite)) if finite else (None, None)
-
-
 async def get_idempotency(db: Database, tenant_id: uuid.UUID, key: str) -> IdempotencyRecord | None:
     async with db.connection() as conn:
         row = await conn.fetchrow(q("get_idempotency"), tenant_id, key)

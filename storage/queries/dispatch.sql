@@ -79,9 +79,7 @@ LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id
 -- of a canceled job (one a replay or trigger racing the cancel left waiting)
 -- is canceled, never run. The job's state is read here, not in claim_due:
 -- claim_due's snapshot predates a pause or cancel it waited for on the due
--- row's lock; this statement's does not. $20, $21: the retries' earliest and latest
--- scheduled_for (NULL without retries), so the plan sets up only those executions
--- partitions (none without retries), not every day's.
+-- row's lock; this statement's does not.
 WITH new_exec AS (
     INSERT INTO executions (execution_id, job_id, tenant_id, scheduled_for, attempt, state,
                             queued_at, finished_at)
@@ -123,19 +121,16 @@ WITH new_exec AS (
     JOIN jobs j ON j.job_id = r.job_id
     JOIN executions e ON e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
     WHERE e.state = 'retry_wait' AND e.attempt = r.attempt - 1
-      AND e.scheduled_for BETWEEN $20 AND $21
 ), retried AS (
     UPDATE executions e SET state = 'queued', attempt = r.attempt, queued_at = coalesce($1, now())
     FROM retry r
     WHERE e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
-      AND e.scheduled_for BETWEEN $20 AND $21
       AND e.state = 'retry_wait' AND e.attempt = r.attempt - 1 AND r.fate = 'run'
     RETURNING e.execution_id, e.job_id, e.scheduled_for, e.attempt, e.deferrals
 ), dropped AS (
     UPDATE executions e SET state = 'canceled', finished_at = coalesce($1, now())
     FROM retry r
     WHERE e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
-      AND e.scheduled_for BETWEEN $20 AND $21
       AND e.state = 'retry_wait' AND e.attempt = r.attempt - 1 AND r.fate = 'cancel'
 ), parked AS (
     INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id,

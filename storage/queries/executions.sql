@@ -12,10 +12,6 @@
 -- this statement finished. $25 counts the deferred attempts among each
 -- execution's events (they raise its attempt limit by one each). $26: each
 -- attempt's lease expiry as first granted (heartbeats extend it in Redis only).
--- $27, $28: the earliest and latest scheduled_for of the batch (updates and attempts),
--- so Postgres prunes the executions partitions outside them as it starts the plan: a
--- cached plan otherwise opens and sets up every day's partition on every call (with 30
--- days kept hot, most of a small batch's cost).
 WITH u AS (  -- times arrive as Redis milliseconds
     SELECT execution_id, scheduled_for, attempt, state, lease_owner,
            to_timestamp(lease_until_ms / 1000.0) AS lease_until,
@@ -45,7 +41,6 @@ WITH u AS (  -- times arrive as Redis milliseconds
         deferrals = e.deferrals + u.deferrals
     FROM u
     WHERE e.execution_id = u.execution_id AND e.scheduled_for = u.scheduled_for
-      AND e.scheduled_for BETWEEN $27 AND $28
       AND (e.attempt = u.attempt
            -- A success the sweeper bumped past: Redis had lost the attempt, then took a
            -- worker's completion of it again (hw_recover) before the bump's publish, which
@@ -79,7 +74,6 @@ WITH u AS (  -- times arrive as Redis milliseconds
     FROM (SELECT r.*, r.outcome = 'running' AND EXISTS (
                      SELECT 1 FROM executions e
                      WHERE e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
-                       AND e.scheduled_for BETWEEN $27 AND $28
                        AND e.attempt > r.attempt) AS superseded
           FROM unnest($15::uuid[], $16::integer[], $17::timestamptz[], $18::text[],
                       $19::bigint[], $20::bigint[], $21::text[], $22::text[]::jsonb[],
