@@ -23,7 +23,7 @@ import msgspec
 from herdwick import logs, telemetry
 from herdwick import schedule as sched
 from herdwick.actors.base import Actor, Tick
-from herdwick.actors.messages import Announced
+from herdwick.actors.messages import Announced, announced
 from herdwick.actors.shard import ANNOUNCE_S
 from herdwick.clock import Clock, to_us
 from herdwick.errors import Rejected, row_error
@@ -391,8 +391,7 @@ class ExecutionEvents(Actor):
         except (*REDIS_ERRORS, OSError) as exc:
             log.warning("notify_failed", count=len(notes), error=exc)
             if self._announce_here is not None:
-                self._announce_here([(n.shard_id, uuid.UUID(n.job_id).int, n.next_run_at_us,
-                                      n.tenant_id, n.pool) for n in notes])
+                self._announce_here([announced(n) for n in notes])
 
     async def _apply(self, folded: _Folded) -> list[Successor]:
         """Apply a folded batch; if Postgres refuses something in it, isolate what it refuses.

@@ -8,7 +8,7 @@ import msgspec
 
 from herdwick.clock import from_us
 from herdwick.storage.dispatch import DueKey
-from herdwick.storage.hot import ReadyExecution
+from herdwick.storage.hot import NotifyMessage, ReadyExecution
 
 _JOB_BITS = 128
 _SHARD_BITS = 8
@@ -41,6 +41,13 @@ def item_shard(work: int) -> int:
 
 # A due row as announced: (shard id, job id as int, due time in us, tenant id, pool).
 Announced = tuple[int, int, int, str, str]
+
+
+def announced(note: NotifyMessage) -> Announced:
+    """A notify as its shard's actor takes it (the channel's, or one that could not be
+    published, handed to this node's shards directly)."""
+    return (note.shard_id, uuid.UUID(note.job_id).int, note.next_run_at_us, note.tenant_id,
+            note.pool)
 
 
 class NotifyDue(msgspec.Struct, frozen=True):

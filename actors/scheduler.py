@@ -35,7 +35,15 @@ from herdwick.actors.maintenance import (
     Retain,
     SyncSigning,
 )
-from herdwick.actors.messages import Announced, Forget, LeaseLost, NotifyDue, Publish, Ready
+from herdwick.actors.messages import (
+    Announced,
+    Forget,
+    LeaseLost,
+    NotifyDue,
+    Publish,
+    Ready,
+    announced,
+)
 from herdwick.actors.reaper import INTERVAL_S as REAPER_INTERVAL_S
 from herdwick.actors.reaper import Reaper
 from herdwick.actors.shard import ShardActor
@@ -322,8 +330,7 @@ class Scheduler:
                 if (mark := self._notify_marks.pop(note.job_id, None)) is not None:
                     mark.set_result(None)
             elif self.shard(note.shard_id) is not None:
-                due.append((note.shard_id, uuid.UUID(note.job_id).int, note.next_run_at_us,
-                            note.tenant_id, note.pool))
+                due.append(announced(note))
         self._announce(due)
 
     def _announce(self, due: list[Announced]) -> None:

@@ -127,6 +127,8 @@ class ShardActor(Actor):
         self._classes: list[tuple[str, str]] = []  # class -> (tenant id, pool)
         self._class_of: dict[tuple[str, str], int] = {}
         self._recent: dict[int, int] = {}  # popped keys -> pop time (us, the clock's)
+        # This shard's point of the LOAD_INTERVAL_S spread, after whatever makes it load.
+        self._phase_us = int(LOAD_INTERVAL_S * 1e6 * load_phase(shard_id))
         self._next_load_us = 0
         self._next_pop_us = 0  # idle wakes for due entries no sooner than this
         self._load_due_since_us: int | None = None  # a load is due but deferred since then
@@ -161,7 +163,7 @@ class ShardActor(Actor):
         # The next load comes at the shard's own share of the interval, so a node's shards
         # load spread over it, not all together every 2 s (that burst of loads was the
         # steady lag's p99: 64 ms in the second of it, 23 between).
-        self._next_load_us = to_us(now) + int(LOAD_INTERVAL_S * 1e6 * load_phase(self.shard_id))
+        self._next_load_us = to_us(now) + self._phase_us
 
     async def handle(self, msg: object | None) -> None:
         now = self.clock.now()
@@ -189,7 +191,7 @@ class ShardActor(Actor):
         """A notify of this shard's was lost (a full mailbox, a new subscription): its
         next load, soon, reads the near rows again. Called by the scheduler, on this loop."""
         self.missed_notify = True
-        soon_us = to_us(self.clock.now()) + int(LOAD_INTERVAL_S * 1e6 * load_phase(self.shard_id))
+        soon_us = to_us(self.clock.now()) + self._phase_us
         if soon_us < self._next_load_us:
             self._next_load_us = soon_us
             self.try_send(Tick())  # asleep until a later load: wait for this one instead
@@ -279,8 +281,7 @@ class ShardActor(Actor):
             return now_us + int(LOAD_INTERVAL_S * 1e6)
         # Horizon now + LOOKAHEAD_S reaches the minute after the last one read then.
         next_minute_us = (to_us(due_minute(self._read_until)) + 60_000_000
-                          - int(LOOKAHEAD_S * 1e6)
-                          + int(LOAD_INTERVAL_S * 1e6 * load_phase(self.shard_id)))
+                          - int(LOOKAHEAD_S * 1e6) + self._phase_us)
         return max(now_us, min(next_minute_us, self._next_reread_us))
 
     async def _reject(self, rows: list[DueRow]) -> None:
