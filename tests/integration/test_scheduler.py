@@ -432,6 +432,22 @@ async def test_a_node_s_shards_load_spread_over_the_load_interval(clock, db) -> 
     assert abs(waits[1] - LOAD_INTERVAL_S / 2) < LOAD_INTERVAL_S / 100
 
 
+def _record_loads(monkeypatch, clock) -> list[tuple[datetime, datetime | None]]:
+    """Each shard load from now on, as (the clock's time, its near edge: None when it
+    does not read near rows again); the loads themselves run as ever."""
+    from herdwick.storage import dispatch as store
+
+    loads: list[tuple[datetime, datetime | None]] = []
+    real_load_due = store.load_due
+
+    async def recorded(db, shard_id, horizon, near=None, *rest):
+        loads.append((clock.now(), near))
+        return await real_load_due(db, shard_id, horizon, near, *rest)
+
+    monkeypatch.setattr(store, "load_due", recorded)
+    return loads
+
+
 async def test_an_idle_shard_loads_only_when_a_load_can_find_something(
         api, clock, db, monkeypatch) -> None:
     """Every near-due row is announced, so a shard reads again only to re-read its near
@@ -439,16 +455,8 @@ async def test_an_idle_shard_loads_only_when_a_load_can_find_something(
     minute): not every LOAD_INTERVAL_S."""
     from herdwick.actors import shard as shards
     from herdwick.actors.base import Tick
-    from herdwick.storage import dispatch as store
 
-    loads: list[datetime] = []
-    real_load_due = store.load_due
-
-    async def counted(*args, **kwargs):
-        loads.append(clock.now())
-        return await real_load_due(*args, **kwargs)
-
-    monkeypatch.setattr(store, "load_due", counted)
+    loads = _record_loads(monkeypatch, clock)
     shard = shards.ShardActor(7, 1, db=db, hand=_HeldQueues().hand, reject=None,
                               clock=clock)
     await shard.on_start()
@@ -467,13 +475,14 @@ async def test_an_idle_shard_loads_only_when_a_load_can_find_something(
         if shard.heap:
             break
     assert len(shard.heap) == 1
+    times = [at for at, _ in loads]
     minute_load = T0 + timedelta(minutes=1)
-    assert minute_load <= loads[-1] < minute_load + timedelta(seconds=shards.LOAD_INTERVAL_S)
+    assert minute_load <= times[-1] < minute_load + timedelta(seconds=shards.LOAD_INTERVAL_S)
     # In between, only the re-reads: one every NEAR_REREAD_S.
-    between = loads[2:-1]
+    between = times[2:-1]
     assert len(between) == 60 // shards.NEAR_REREAD_S - 1
     assert all((b - a).total_seconds() >= shards.NEAR_REREAD_S
-               for a, b in zip(loads[1:], between, strict=False))
+               for a, b in zip(times[1:], between, strict=False))
 
 
 async def test_only_a_lapsed_hand_over_makes_a_load_read_near_rows_again(
@@ -483,16 +492,8 @@ async def test_only_a_lapsed_hand_over_makes_a_load_read_near_rows_again(
     from herdwick.actors import shard as shards
     from herdwick.actors.messages import Handed
     from herdwick.clock import to_us
-    from herdwick.storage import dispatch as store
 
-    nears: list[object] = []
-    real_load_due = store.load_due
-
-    async def counted(db, shard_id, horizon, near=None, *rest):
-        nears.append(near)
-        return await real_load_due(db, shard_id, horizon, near, *rest)
-
-    monkeypatch.setattr(store, "load_due", counted)
+    loads = _record_loads(monkeypatch, clock)
     shard = shards.ShardActor(7, 1, db=db, hand=_HeldQueues().hand, reject=None,
                               clock=clock)
     await shard.load(clock.now())  # the first load re-reads: nothing was read before
@@ -500,11 +501,11 @@ async def test_only_a_lapsed_hand_over_makes_a_load_read_near_rows_again(
     shard._handed = {1: Handed(0, now_us)}  # settled
     clock.advance(shards.LOAD_INTERVAL_S)
     await shard.load(clock.now())
-    assert nears[-1] is None and shard._handed == {}
+    assert loads[-1][1] is None and shard._handed == {}
     shard._handed = {2: Handed(1, now_us)}  # never settled
     clock.advance(shards.HANDED_TTL_S)
     await shard.load(clock.now())
-    assert nears[-1] is not None and shard._handed == {}
+    assert loads[-1][1] is not None and shard._handed == {}
 
 
 async def test_a_re_read_key_whose_job_is_gone_is_passed_over(api, clock, db) -> None:
