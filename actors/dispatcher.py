@@ -67,7 +67,7 @@ _schedule_decoder = msgspec.json.Decoder(Schedule)
 def plan(claimed: list[Claimed], now: datetime) -> Plan:
     """What to write for claimed due rows. Pure: the transaction calls it between its statements.
 
-    - a retry row re-queues its execution at the row's attempt (finish_dispatch
+    - a retry row re-queues its execution at the row's attempt (requeue_retries
       parks it instead while its job is paused, and drops it if the execution
       left retry_wait, e.g. its job was canceled);
     - a one-off runs once at its due time;
@@ -96,7 +96,7 @@ def plan(claimed: list[Claimed], now: datetime) -> Plan:
 def _plan_row(out: Plan, row: Claimed, now: datetime) -> None:
     if row.execution_id is not None:
         # A retry, replay or trigger of an execution. Whether a pause holds it back is
-        # decided in SQL, on the job's state as of finish_dispatch: row.state may predate
+        # decided in SQL, on the job's state as of requeue_retries: row.state may predate
         # a pause that committed while claim_due waited for this row.
         out.retries.append(Retry(row.execution_id, row.scheduled_for, row.attempt,
                                  row.shard_id, row.next_run_at, row.job_id))

@@ -242,7 +242,7 @@ def _pause(job: Job, schedule: Schedule) -> Transition | None:
     if job.state != "active":
         raise Conflict(f"a {job.state} job cannot be paused")
     # Pending retries keep their due rows: when one falls due, dispatch parks it
-    # (finish_dispatch) and the execution waits in retry_wait for the resume.
+    # (requeue_retries) and the execution waits in retry_wait for the resume.
     return Transition(state="paused", next_run_at=job.next_run_at, clear_due="occurrences")
 
 

@@ -181,6 +181,10 @@ async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
                 q("replace_previous"), [j for j, _ in decided.replace],
                 [t for _, t in decided.replace], now)]
         out = await conn.fetch(q("finish_dispatch"), now, *_finish_args(decided))
+        if decided.retries or decided.failed:
+            await conn.execute(q("plan_by_key"))  # for the rest of this transaction
+        if decided.retries:
+            out += await conn.fetch(q("requeue_retries"), now, *_retry_args(decided.retries))
         if decided.failed:
             await conn.execute(q("fail_claimed"), now, *_failed_args(decided.failed))
     queued = [Queued(r["execution_id"], r["job_id"], r["scheduled_for"], r["attempt"],
@@ -212,6 +216,7 @@ async def reject(db: Database, node_id: str, revisions: dict[int, int], keys: li
         if not failed:
             return 0
         await _durable_enough(conn, claimed)
+        await conn.execute(q("plan_by_key"))
         return await conn.fetchval(q("fail_claimed"), now, *_failed_args(failed))
 
 
@@ -235,14 +240,17 @@ def _failed_args(failed: list[Failed]) -> tuple[list, ...]:
 
 
 def _finish_args(plan: Plan) -> tuple[list, ...]:
-    ex, nd, jn, rt = plan.executions, plan.next_due, plan.job_next, plan.retries
+    ex, nd, jn = plan.executions, plan.next_due, plan.job_next
     return (
         [e.execution_id for e in ex], [e.job_id for e in ex], [e.tenant_id for e in ex],
         [e.scheduled_for for e in ex], [e.state for e in ex],
         [n.shard_id for n in nd], [due_minute(n.next_run_at) for n in nd],
         [n.next_run_at for n in nd], [n.job_id for n in nd],
         [j for j, _ in jn], [t for _, t in jn],
-        [r.execution_id for r in rt], [r.scheduled_for for r in rt], [r.attempt for r in rt],
-        [r.shard_id for r in rt], [r.next_run_at for r in rt], [r.job_id for r in rt],
         [n.tenant_id for n in nd],
     )
+
+
+def _retry_args(rt: list[Retry]) -> tuple[list, ...]:
+    return ([r.execution_id for r in rt], [r.scheduled_for for r in rt], [r.attempt for r in rt],
+            [r.shard_id for r in rt], [r.next_run_at for r in rt], [r.job_id for r in rt])

@@ -107,7 +107,7 @@ def _applied(row, successors: list[Successor]) -> Applied:
 async def _apply_events(db: Database, updates: list[ExecutionUpdate], attempts: list[AttemptRow],
                         now: datetime | None, shard_of: Callable[[uuid.UUID], int]):
     async with db.transaction() as conn:
-        await conn.execute(q("plan_events_by_key"))
+        await conn.execute(q("plan_by_key"))
         return await conn.fetchrow(q("apply_events"),
                                    *_events_args(updates, attempts, now, shard_of, False))
 
@@ -117,7 +117,7 @@ async def _apply_forbid(db: Database, updates: list[ExecutionUpdate], now: datet
                         next_after: Callable[[uuid.UUID, str], datetime | None]):
     """Finished forbid-overlap occurrences and their successors, in one transaction."""
     async with db.transaction() as conn:
-        await conn.execute(q("plan_events_by_key"))
+        await conn.execute(q("plan_by_key"))
         row = await conn.fetchrow(q("apply_events"),
                                   *_events_args(updates, [], now, shard_of, True))
         successors = []

@@ -65,21 +65,13 @@ LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id
 -- name: finish_dispatch
 -- Step 2, same transaction: creates the occurrences' executions (once per
 -- (job_id, scheduled_for), however often a batch is retried; skipped ones are
--- recorded, not lost), inserts each cron job's next due row, moves
--- jobs.next_run_at, and re-queues retries of existing executions. Returns
--- what to publish: the queued executions this call created or re-queued, with
--- the attempts each had deferred (which raise its attempt limit). A dry run's
--- occurrence is recorded as a finished 'dry_run' execution (queued_at and
--- finished_at: when it would have been published) and published never; a
--- one-off dry run is completed by its occurrence.
--- A retry (attempt > 1) of a paused job is not re-queued: its row goes back
--- into the due index parked (due_minute 'infinity', beyond every load's
--- range) for resume to restore (unpark_due_retries); the execution stays in
--- retry_wait. A trigger's first attempt runs whatever the pause. An execution
--- of a canceled job (one a replay or trigger racing the cancel left waiting)
--- is canceled, never run. The job's state is read here, not in claim_due:
--- claim_due's snapshot predates a pause or cancel it waited for on the due
--- row's lock; this statement's does not.
+-- recorded, not lost), inserts each cron job's next due row and moves
+-- jobs.next_run_at. Returns what to publish: the queued executions this call
+-- created. A dry run's occurrence is recorded as a finished 'dry_run' execution
+-- (queued_at and finished_at: when it would have been published) and published
+-- never; a one-off dry run is completed by its occurrence. Nothing here reads
+-- executions by key (the insert routes each row to its partition), so the plan
+-- sets up no executions partition: a batch's retries go through requeue_retries.
 WITH new_exec AS (
     INSERT INTO executions (execution_id, job_id, tenant_id, scheduled_for, attempt, state,
                             queued_at, finished_at)
@@ -104,34 +96,55 @@ WITH new_exec AS (
 ), next_due AS (
     INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, tenant_id)
     SELECT * FROM unnest($7::smallint[], $8::timestamptz[], $9::timestamptz[], $10::uuid[],
-                         $19::uuid[])
+                         $13::uuid[])
     ON CONFLICT DO NOTHING
 ), job_next AS (
     UPDATE jobs j SET next_run_at = n.next_run_at, updated_at = coalesce($1, now())
     FROM unnest($11::uuid[], $12::timestamptz[]) AS n(job_id, next_run_at)
     WHERE j.job_id = n.job_id AND j.state = 'active'
-), retry AS (
+)
+SELECT execution_id, job_id, scheduled_for, attempt, 0 AS deferrals
+FROM new_exec WHERE state = 'queued';
+
+-- name: requeue_retries
+-- Step 2 too, for the batch's rows of existing executions (retries, replays,
+-- triggers), when it has any: a statement of its own because joining executions by
+-- key sets up every day's partition on each call (a month of them with history kept
+-- hot), which most batches need not pay. $2-$7: the rows (execution, its scheduled
+-- time, the attempt due, shard, due time, job). Re-queues each execution still
+-- waiting for this attempt and returns it with the attempts it had deferred (which
+-- raise its attempt limit). A retry of a paused job is not re-queued: its row goes
+-- back into the due index parked (due_minute 'infinity', beyond every load's range)
+-- for resume to restore (unpark_due_retries); the execution stays in retry_wait. A
+-- trigger's first attempt runs whatever the pause. An execution of a canceled job (one a replay
+-- or trigger racing the cancel left waiting) is canceled, never run. The job's
+-- state is read here, not in claim_due: claim_due's snapshot predates a pause or
+-- cancel it waited for on the due row's lock; this statement's does not.
+WITH retry AS (
     -- each claimed row of an execution still waiting for this attempt, and its fate
     SELECT r.*, CASE WHEN j.state = 'canceled' THEN 'cancel'
                      WHEN j.state = 'paused' AND r.attempt > 1 THEN 'park'
                      ELSE 'run' END AS fate
-    FROM unnest($13::uuid[], $14::timestamptz[], $15::integer[], $16::smallint[],
-                $17::timestamptz[], $18::uuid[])
+    FROM unnest($2::uuid[], $3::timestamptz[], $4::integer[], $5::smallint[],
+                $6::timestamptz[], $7::uuid[])
          AS r(execution_id, scheduled_for, attempt, shard_id, next_run_at, job_id)
     JOIN jobs j ON j.job_id = r.job_id
     JOIN executions e ON e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
-    WHERE e.state = 'retry_wait' AND e.attempt = r.attempt - 1
+    -- IS TRUE: found by key. Stated plainly, the state lets the planner probe
+    -- executions_open (scheduled_for) instead, trusting it to be small, and read every
+    -- open execution of the second for each row: a herd's retries all share theirs.
+    WHERE (e.state = 'retry_wait') IS TRUE AND e.attempt = r.attempt - 1
 ), retried AS (
     UPDATE executions e SET state = 'queued', attempt = r.attempt, queued_at = coalesce($1, now())
     FROM retry r
     WHERE e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
-      AND e.state = 'retry_wait' AND e.attempt = r.attempt - 1 AND r.fate = 'run'
+      AND (e.state = 'retry_wait') IS TRUE AND e.attempt = r.attempt - 1 AND r.fate = 'run'
     RETURNING e.execution_id, e.job_id, e.scheduled_for, e.attempt, e.deferrals
 ), dropped AS (
     UPDATE executions e SET state = 'canceled', finished_at = coalesce($1, now())
     FROM retry r
     WHERE e.execution_id = r.execution_id AND e.scheduled_for = r.scheduled_for
-      AND e.state = 'retry_wait' AND e.attempt = r.attempt - 1 AND r.fate = 'cancel'
+      AND (e.state = 'retry_wait') IS TRUE AND e.attempt = r.attempt - 1 AND r.fate = 'cancel'
 ), parked AS (
     INSERT INTO due_index (shard_id, due_minute, next_run_at, job_id, execution_id,
                            scheduled_for, attempt)
@@ -139,9 +152,6 @@ WITH new_exec AS (
     FROM retry WHERE fate = 'park'
     ON CONFLICT DO NOTHING
 )
-SELECT execution_id, job_id, scheduled_for, attempt, 0 AS deferrals
-FROM new_exec WHERE state = 'queued'
-UNION ALL
 SELECT execution_id, job_id, scheduled_for, attempt, deferrals FROM retried;
 
 -- name: replace_previous
@@ -181,7 +191,7 @@ WITH f AS (
                             error = f.error::jsonb
     FROM f
     WHERE e.execution_id = f.execution_id AND e.scheduled_for = f.scheduled_for
-      AND e.state = 'retry_wait'
+      AND (e.state = 'retry_wait') IS TRUE  -- by key, as in requeue_retries
     RETURNING e.job_id
 ), one_offs AS (
     UPDATE jobs j SET state = 'completed', next_run_at = NULL, version = version + 1,

@@ -121,12 +121,14 @@ SELECT (SELECT count(*) FROM moved) AS changed,
        (SELECT coalesce(array_agg(job_id), '{}') FROM moved
         WHERE state IN ('succeeded', 'dead')) AS finished;
 
--- name: plan_events_by_key
--- In apply_events' transaction, before it: each execution, job and attempt it touches is
--- found by its key, one index probe a row, whatever the statistics say. The planner
--- otherwise prices a thousand probes above one scan of the day's partition (or of what
--- stale statistics call a handful of unfinished rows), which makes a batch cost grow with
--- the day's executions rather than with the batch.
+-- name: plan_by_key
+-- In the transaction of a statement that finds a batch's executions by key (apply_events,
+-- requeue_retries, the sweeper's bump_attempts and fail_executions, fail_claimed), before
+-- it: each execution, job and attempt it touches is found by its key, one index probe a
+-- row, whatever the statistics say. The planner otherwise prices a thousand probes above
+-- one scan of the day's partition (or of what stale statistics call a handful of
+-- unfinished rows), which makes a batch cost grow with the day's executions rather than
+-- with the batch.
 SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; SET LOCAL enable_seqscan = off;
 
 -- name: insert_retry_due
@@ -178,7 +180,7 @@ WITH bumped AS (
     FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[])
          AS b(execution_id, scheduled_for, attempt)
     WHERE e.execution_id = b.execution_id AND e.scheduled_for = b.scheduled_for
-      AND e.attempt = b.attempt AND e.state IN ('queued', 'running')
+      AND e.attempt = b.attempt AND (e.state IN ('queued', 'running')) IS TRUE  -- by key
     RETURNING e.execution_id, e.scheduled_for, e.attempt
 ), closed AS (
     UPDATE execution_attempts a
@@ -202,7 +204,7 @@ WITH failed AS (
     FROM unnest($1::uuid[], $2::timestamptz[], $3::integer[])
          AS f(execution_id, scheduled_for, attempt)
     WHERE e.execution_id = f.execution_id AND e.scheduled_for = f.scheduled_for
-      AND e.attempt = f.attempt AND e.state IN ('queued', 'running')
+      AND e.attempt = f.attempt AND (e.state IN ('queued', 'running')) IS TRUE  -- by key
     RETURNING e.job_id, e.scheduled_for
 ), completed AS (
     UPDATE jobs j SET state = 'completed', next_run_at = NULL, version = version + 1,

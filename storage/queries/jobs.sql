@@ -148,7 +148,7 @@ RETURNING job_id, name, target_type, target_ref, payload::text AS payload, sched
 
 -- name: delete_due_occurrences
 -- Takes a job's pending occurrences out of the due index (pause). Its retries
--- stay: dispatch parks them when they fall due (finish_dispatch).
+-- stay: dispatch parks them when they fall due (requeue_retries).
 DELETE FROM due_index WHERE job_id = $1 AND execution_id IS NULL;
 
 -- name: delete_due_all
