@@ -18,14 +18,14 @@ import argparse
 import asyncio
 import signal
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 import msgspec
 import redis.asyncio as aioredis
 from msgspec import Meta
 
-from herdwick.config import ConfigError
+from herdwick.config import DEFAULT_RETENTION_DAYS, MAX_RETENTION_DAYS, ConfigError
 from herdwick.loadtest.background import Background
 from herdwick.loadtest.driver import (
     add_scratch_flags,
@@ -74,6 +74,7 @@ from herdwick.loadtest.writes import inserted as writes_settled
 from herdwick.model import DEFAULT_RETRY, RetryPolicy
 from herdwick.storage.db import Database
 from herdwick.storage.hot import HotTier
+from herdwick.storage.maintenance import ensure_partitions
 
 WORKER_APP = "herdwick.loadtest.noop_worker:worker"
 # --fail-first: a second attempt after a 1 s backoff, its delay drawn from [0.5, 1] s.
@@ -81,6 +82,7 @@ FAIL_FIRST_RETRY = RetryPolicy(max_attempts=2, backoff_seconds=1)
 
 # The tool's own statements on its scratch database, as in loadtest/measure.py.
 _XACTS_SQL = "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+_PARTITIONS_SQL = "SELECT count(*) FROM pg_inherits WHERE inhparent = 'executions'::regclass"
 # INFO calls of server_counts and the write snapshots inside the window (Redis counts
 # INFO among its commands).
 _OWN_INFO_CALLS = 4
@@ -97,6 +99,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     timeout_s: Annotated[float, Meta(gt=0, le=3_600)] = 180.0
     cron: bool = False  # every job a cron job (loadtest/jobs.py cron_schedule)
     fail_first: bool = False  # every first attempt fails; each job retries once (FAIL_FIRST_RETRY)
+    history_days: Annotated[int, Meta(ge=0, le=MAX_RETENTION_DAYS)] = 0  # past days' partitions
 
 
 class Steady(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,6 +116,8 @@ class Steady(msgspec.Struct, frozen=True, kw_only=True):
 class Report(msgspec.Struct, kw_only=True):
     jobs: int  # the herd; 0 for a steady rate alone
     cron: bool = False  # cron jobs, each of whose next occurrence dispatch wrote
+    history_days: int = 0  # past days' executions partitions added before the run
+    partitions: int = 0  # executions partitions the database held when the run ended
     schedulers: int
     workers: int
     succeeded: int  # herd and steady
@@ -166,6 +171,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="every job's first attempt fails (the handler raises) and its retry, 1 s of "
       "backoff later, succeeds: the report adds how long from each failure to its retry's "
       "lease; default: every attempt succeeds")
+    a("--history-days", type=int, default=0, metavar="DAYS",
+      help="give the scratch database the daily executions partitions of the DAYS before "
+      "today, as a database keeping DAYS days of history hot has (retention keeps "
+      f"{DEFAULT_RETENTION_DAYS} by default, and the schedulers keep at least DAYS), so each "
+      "statement that finds executions by key pays for them as it would there; they stay "
+      "empty; default 0")
     a("--due-in", type=float, default=6.0,
       help="seconds from the move to the due second; default 6")
     a("--timeout", type=float, default=180.0,
@@ -184,7 +195,8 @@ def plan_from(args: argparse.Namespace) -> Plan:
             {"jobs": args.jobs, "tenants": args.tenants, "due_in_s": args.due_in,
              "rate": args.rate, "duration_s": args.duration, "delay_s": args.delay,
              "schedulers": args.schedulers, "timeout_s": args.timeout,
-             "cron": args.cron, "fail_first": args.fail_first}, Plan)
+             "cron": args.cron, "fail_first": args.fail_first,
+             "history_days": args.history_days}, Plan)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"loadtest e2e: {exc}") from None
     if plan.jobs == 0 and plan.rate == 0:
@@ -194,6 +206,14 @@ def plan_from(args: argparse.Namespace) -> Plan:
         raise ConfigError(f"loadtest e2e: --metrics-port {args.metrics_port}: the processes "
                           f"need ports {args.metrics_port}..{last}, within 1..65535")
     return plan
+
+
+def scheduler_settings(plan: Plan) -> dict[str, str]:
+    """More HERDWICK_* variables for the schedulers: a retention that keeps the history
+    the run was given (a pass may come round during a long run)."""
+    if plan.history_days > DEFAULT_RETENTION_DAYS:
+        return {"HERDWICK_RETENTION_DAYS": str(plan.history_days)}
+    return {}
 
 
 class ServerCounts(msgspec.Struct, frozen=True, kw_only=True):
@@ -254,6 +274,9 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
                    client: aioredis.Redis, prefix: str, deadline: float,
                    progress: Progress) -> Report:
     pool = pool_names(1)[0]
+    if plan.history_days:
+        today = datetime.now(UTC).date()
+        await ensure_partitions(db, today - timedelta(days=plan.history_days), plan.history_days)
     tenants = await create_tenants(db, plan.tenants)
     factory = JobFactory([pool], cron=plan.cron,
                          retry=FAIL_FIRST_RETRY if plan.fail_first else DEFAULT_RETRY)
@@ -264,7 +287,8 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
                      + (f" ... :{port + plan.schedulers - 1}" if plan.schedulers > 1 else "")
                      + f", workers from :{port + plan.schedulers}")
     async with scheduler_processes(plan.schedulers, dsn, args.redis_url, prefix,
-                                   ready_max="auto", metrics_port=port) as procs, \
+                                   ready_max="auto", metrics_port=port,
+                                   **scheduler_settings(plan)) as procs, \
             worker_processes(args.workers, WORKER_APP, args.redis_url, prefix, pool,
                              args.concurrency,
                              metrics_port=None if port is None else port + plan.schedulers,
@@ -302,6 +326,8 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
         lags = await lease_lags_by_kind(db, steady_from)
         history = await history_of(db)
         retried, gap = await retry_gaps(db) if plan.fail_first else (0, None)
+        async with db.connection() as conn:
+            partitions = await conn.fetchval(_PARTITIONS_SQL)
         origin = due or steady_start
         timeline = Timeline(
             origin=origin, x_label="s after the herd's due second" if due
@@ -321,7 +347,8 @@ async def _measure(args: argparse.Namespace, plan: Plan, db: Database, dsn: str,
     xacts = spent.xacts - outcomes.polls - spent.publishes
     commands = spent.commands - sampler.commands - spent.publishes
     return Report(
-        jobs=plan.jobs, cron=plan.cron, schedulers=plan.schedulers, workers=args.workers,
+        jobs=plan.jobs, cron=plan.cron, history_days=plan.history_days, partitions=partitions,
+        schedulers=plan.schedulers, workers=args.workers,
         succeeded=outcomes.herd + outcomes.steady,
         last_succeeded_after_due_s=None if after_due is None else round(after_due, 2),
         jobs_per_s=None if after_due is None else round(plan.jobs / after_due),
@@ -371,6 +398,9 @@ def render_text(r: Report) -> str:
                else "a no-op handler")
     lines = [f"herdwick loadtest e2e: {r.schedulers} scheduler, {r.workers} worker "
              f"process(es) with {handler}; {r.succeeded} executions succeeded"]
+    if r.history_days:
+        lines += [f"  the database held {r.partitions} executions partitions, {r.history_days} "
+                  "of them past days' (empty), as one keeping that much history does"]
     if r.lease_lag_ms is not None:
         lines += [f"  herd: {r.jobs} {'cron' if r.cron else 'one-off'} jobs due in one second",
                   f"    all succeeded in Postgres {r.last_succeeded_after_due_s} s after due "

@@ -80,8 +80,14 @@ async def test_a_tiny_cron_herd_writes_each_job_s_next_occurrence(services) -> N
 
 
 async def test_a_tiny_steady_rate_goes_through_real_workers(services) -> None:
-    args = e2e_args(services, "--jobs", "0", "--rate", "50", "--duration", "2")
+    # A database with more history than retention's default: the run keeps it all.
+    args = e2e_args(services, "--jobs", "0", "--rate", "50", "--duration", "2",
+                    "--history-days", "35")
     report = await e2e.run(args, Progress(None))
+    assert report.history_days == 35
+    assert report.partitions >= 35 + 2  # today and tomorrow at least, beside the history
+    assert f"{report.partitions} executions partitions, 35 of them past" in \
+        e2e.render_text(report)
     steady = report.steady
     assert steady is not None
     assert steady.succeeded == steady.jobs == report.succeeded == 100
