@@ -175,14 +175,14 @@ async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
             return Dispatched(held=held, claimed=[], queued=[])
         await _durable_enough(conn, claimed)
         decided = plan(claimed)
+        out = await conn.fetch(q("finish_dispatch"), now, *_finish_args(decided))
+        if decided.replace or decided.retries or decided.failed:
+            await conn.execute(q("plan_by_key"))  # for the rest of this transaction
         replaced = []
         if decided.replace:
             replaced = [(r["execution_id"], r["job_id"]) for r in await conn.fetch(
                 q("replace_previous"), [j for j, _ in decided.replace],
                 [t for _, t in decided.replace], now)]
-        out = await conn.fetch(q("finish_dispatch"), now, *_finish_args(decided))
-        if decided.retries or decided.failed:
-            await conn.execute(q("plan_by_key"))  # for the rest of this transaction
         if decided.retries:
             out += await conn.fetch(q("requeue_retries"), now, *_retry_args(decided.retries))
         if decided.failed:

@@ -182,6 +182,7 @@ async def record_stale_calls(db: Database, calls: list[StaleCall]) -> list[tuple
 async def _record_stale_calls(db: Database, calls: list[StaleCall]) -> list[tuple[str, str]]:
     recorded: list[tuple[str, str]] = []
     async with db.transaction() as conn:
+        await conn.execute(q("plan_by_key"))
         rows = await conn.fetch(q("lock_stale_calls"), [c.execution_id for c in calls],
                                 [c.scheduled_for for c in calls])
         by_id = {str(r["execution_id"]): r for r in rows}

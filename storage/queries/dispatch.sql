@@ -156,12 +156,14 @@ SELECT execution_id, job_id, scheduled_for, attempt, deferrals FROM retried;
 
 -- name: replace_previous
 -- Overlap replace: a new occurrence supersedes the job's unfinished earlier
--- ones. Returns them, so their workers are told (hw_cancel -> LEASE_LOST).
+-- ones. Returns them, so their workers are told (hw_cancel -> LEASE_LOST). Found
+-- through (job_id, scheduled_for), after plan_by_key: the state stated plainly would
+-- let the planner take executions_open's range of earlier times for each job instead.
 UPDATE executions e SET state = 'canceled', finished_at = coalesce($3, now()),
                         lease_owner = NULL, lease_until = NULL
 FROM unnest($1::uuid[], $2::timestamptz[]) AS r(job_id, scheduled_for)
 WHERE e.job_id = r.job_id AND e.scheduled_for < r.scheduled_for
-  AND e.state IN ('queued', 'running', 'retry_wait')
+  AND (e.state IN ('queued', 'running', 'retry_wait')) IS TRUE
 RETURNING e.execution_id, e.job_id;
 
 -- name: fail_claimed
