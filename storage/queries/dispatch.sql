@@ -196,10 +196,12 @@ WITH f AS (
       AND (e.state = 'retry_wait') IS TRUE  -- by key, as in requeue_retries
     RETURNING e.job_id
 ), one_offs AS (
+    -- a join, not `IN (SELECT ... = j.next_run_at)`: that subquery, correlated, was run
+    -- for every active job of the database; a job several rows name is updated once
     UPDATE jobs j SET state = 'completed', next_run_at = NULL, version = version + 1,
                       updated_at = coalesce($1, now())
-    WHERE j.job_id IN (SELECT job_id FROM f
-                       WHERE execution_id IS NULL OR scheduled_for = j.next_run_at)
+    FROM f
+    WHERE j.job_id = f.job_id AND (f.execution_id IS NULL OR f.scheduled_for = j.next_run_at)
       AND j.state = 'active' AND j.schedule->>'cron' IS NULL
     RETURNING j.tenant_id
 ), released AS (

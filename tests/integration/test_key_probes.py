@@ -248,3 +248,33 @@ async def test_a_dispatch_of_retries_probes_the_key(api: Api, one_conn) -> None:
     async with one_conn.connection() as conn:
         used = _judged(before, await _scans(conn, partition))
     assert set(used) == {"pkey"}, used
+
+
+async def test_failed_occurrences_complete_their_jobs_by_key(api: Api, one_conn) -> None:
+    """fail_claimed completes the one-offs whose rows failed through the jobs' key: its
+    correlated subquery once scanned every active job of the database for each batch."""
+    async with one_conn.transaction() as conn:
+        due, rows, _ = await _herd_of_jobs(conn, uuid.UUID(api.tenant_id), "queued")
+        await conn.execute("DELETE FROM executions WHERE scheduled_for = $1", due)
+    async with one_conn.connection() as conn:
+        before = await _scans(conn, "jobs")
+    failed = [dispatch.Failed(_claimed_new(r, due), '"x"', uuid.uuid4()) for r in rows]
+    async with one_conn.transaction() as conn:
+        await conn.execute(q("plan_by_key"))
+        assert await conn.fetchval(q("fail_claimed"), due, *dispatch._failed_args(failed)) == BATCH
+    async with one_conn.connection() as conn:
+        used = _judged(before, await _scans(conn, "jobs"))
+        completed = await conn.fetchval(
+            "SELECT count(*) FROM jobs WHERE state = 'completed' AND job_id = ANY($1::uuid[])",
+            _ids(rows, "job_id"))
+    assert completed == BATCH
+    assert set(used) == {"pkey"}, used
+
+
+def _claimed_new(row, due: datetime) -> dispatch.Claimed:
+    """A claimed due row of the job's occurrence (no execution yet)."""
+    return dispatch.Claimed(shard_id=shard_of(row["job_id"]), next_run_at=due, job_id=row["job_id"],
+                            execution_id=None, scheduled_for=None, attempt=1,
+                            tenant_id=row["tenant_id"], pool="emails", payload="null",
+                            schedule='{"delaySeconds": 1}', timeout_s=30, state="active",
+                            max_attempts=3, backoff_s=1.0, target="", dry_run=False, sync=False)
