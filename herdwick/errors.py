@@ -29,6 +29,12 @@ class StorageUnavailable(HerdwickError):
     """
 
 
+class PartitionAttached(StorageUnavailable):
+    """A row was routed to the default executions partition while its day's own partition
+    was being attached: the attach has committed by the time this is raised, so the same
+    transaction run again puts the row where it belongs."""
+
+
 class Rejected(HerdwickError):
     """Postgres refused what a statement carried (a value out of range, a check that
     failed): the same statement would fail again, so callers isolate the row, not retry."""

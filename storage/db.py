@@ -13,7 +13,7 @@ from typing import TypeVar
 import asyncpg
 
 from herdwick import logs, telemetry
-from herdwick.errors import Rejected, StorageUnavailable
+from herdwick.errors import PartitionAttached, Rejected, StorageUnavailable
 from herdwick.storage.sql import queries
 
 log = logs.get("herdwick.storage")
@@ -65,6 +65,12 @@ def translated(replica: bool = False) -> object:
         yield
     except _UNAVAILABLE as exc:
         raise StorageUnavailable(f"postgres unavailable: {type(exc).__name__}: {exc}") from exc
+    except asyncpg.CheckViolationError as exc:
+        # Not the row's fault: it waited on the attach of its day's partition (which
+        # moves that day out of the default one), then went where routing had sent it.
+        if "violates partition constraint" in str(exc):
+            raise PartitionAttached(f"postgres: {exc}") from exc
+        raise Rejected(f"postgres refused it: {type(exc).__name__}: {exc}") from exc
     except _REJECTED as exc:
         raise Rejected(f"postgres refused it: {type(exc).__name__}: {exc}") from exc
     except asyncpg.SerializationError as exc:
@@ -74,7 +80,8 @@ def translated(replica: bool = False) -> object:
 
 
 async def retrying(attempt: Callable[[], Awaitable[T]]) -> T:
-    """Run a whole transaction again after a deadlock or serialization failure.
+    """Run a whole transaction again after a deadlock, a serialization failure or a
+    partition attached under it.
 
     Only those are safe to retry blindly: the transaction rolled back and
     changed nothing. Bounded and jittered.
@@ -82,7 +89,7 @@ async def retrying(attempt: Callable[[], Awaitable[T]]) -> T:
     for tries in range(1, RETRIES + 1):
         try:
             return await attempt()
-        except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError):
+        except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError, PartitionAttached):
             if tries == RETRIES:
                 raise
             log.info("transaction_retried", tries=tries)
