@@ -175,7 +175,8 @@ async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
             return Dispatched(held=held, claimed=[], queued=[])
         await _durable_enough(conn, claimed)
         decided = plan(claimed)
-        out = await conn.fetch(q("finish_dispatch"), now, *_finish_args(decided))
+        new = await conn.fetchval(q("finish_dispatch"), now, *_finish_args(decided))
+        queued = _queued(decided.executions, None if new is None else set(new))
         if decided.replace or decided.retries or decided.failed:
             await conn.execute(q("plan_by_key"))  # for the rest of this transaction
         replaced = []
@@ -184,13 +185,18 @@ async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
                 q("replace_previous"), [j for j, _ in decided.replace],
                 [t for _, t in decided.replace], now)]
         if decided.retries:
-            out += await conn.fetch(q("requeue_retries"), now, *_retry_args(decided.retries))
+            queued += [Queued(*r) for r in await conn.fetch(
+                q("requeue_retries"), now, *_retry_args(decided.retries))]
         if decided.failed:
             await conn.execute(q("fail_claimed"), now, *_failed_args(decided.failed))
-    queued = [Queued(r["execution_id"], r["job_id"], r["scheduled_for"], r["attempt"],
-                     r["deferrals"]) for r in out]
     return Dispatched(held=held, claimed=claimed, queued=queued, replaced=replaced,
                       failed=len(decided.failed), next_due=decided.next_due)
+
+
+def _queued(executions: list[NewExecution], created: set[uuid.UUID] | None) -> list[Queued]:
+    """The queued executions among those given, of those created (all, when None)."""
+    return [Queued(e.execution_id, e.job_id, e.scheduled_for, 1, 0) for e in executions
+            if e.state == "queued" and (created is None or e.execution_id in created)]
 
 
 async def reject(db: Database, node_id: str, revisions: dict[int, int], keys: list[DueKey],

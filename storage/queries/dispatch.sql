@@ -69,8 +69,11 @@ LEFT JOIN (claimed c JOIN jobs j ON j.job_id = c.job_id
 -- Step 2, same transaction: creates the occurrences' executions (once per
 -- (job_id, scheduled_for), however often a batch is retried; skipped ones are
 -- recorded, not lost), inserts each cron job's next due row and moves
--- jobs.next_run_at. Returns what to publish: the queued executions this call
--- created. A dry run's occurrence is recorded as a finished 'dry_run' execution
+-- jobs.next_run_at. Returns one row: how many executions this call created and,
+-- only when that is fewer than it was given (a batch replayed after a commit whose
+-- outcome was lost), the ids of the queued ones among them; otherwise every queued
+-- one given is new, and the caller knows them (sparing a row to decode for each).
+-- A dry run's occurrence is recorded as a finished 'dry_run' execution
 -- (queued_at and finished_at: when it would have been published) and published
 -- never; a one-off dry run is completed by its occurrence. Nothing here reads
 -- executions by key (the insert routes each row to its partition), so the plan
@@ -106,8 +109,9 @@ WITH new_exec AS (
     FROM unnest($11::uuid[], $12::timestamptz[]) AS n(job_id, next_run_at)
     WHERE j.job_id = n.job_id AND j.state = 'active'
 )
-SELECT execution_id, job_id, scheduled_for, attempt, 0 AS deferrals
-FROM new_exec WHERE state = 'queued';
+SELECT CASE WHEN (SELECT count(*) FROM new_exec) < cardinality($2::uuid[])
+            THEN (SELECT coalesce(array_agg(execution_id), '{}') FROM new_exec
+                  WHERE state = 'queued') END AS queued;
 
 -- name: requeue_retries
 -- Step 2 too, for the batch's rows of existing executions (retries, replays,
