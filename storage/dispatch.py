@@ -169,7 +169,7 @@ async def _dispatch_once(db: Database, node_id: str, revisions: dict[int, int],
             q("claim_due"), node_id, shards, [revisions[s] for s in shards], now,
             [k.shard_id for k in keys], [due_minute(k.next_run_at) for k in keys],
             [k.next_run_at for k in keys], [k.job_id for k in keys])
-        held = set(next(r["held"] for r in rows if r["held"] is not None))
+        held = set(rows[0]["held"])
         claimed = [_claimed(r) for r in rows if r["job_id"] is not None]
         if not claimed:
             return Dispatched(held=held, claimed=[], queued=[])

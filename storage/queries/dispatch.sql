@@ -35,9 +35,7 @@ SELECT job_id, tenant_id, pool FROM jobs WHERE job_id = ANY($1::uuid[]);
 -- dispatched - and returns each claimed row with what dispatch needs of its job
 -- (dry_run: the job's flag or its tenant's; sync: its tenant's durability is sync, so
 -- this transaction must commit with remote_apply).
--- Always returns at least one row; one row's `held` lists the held shards, the
--- others' is NULL (a batch spans up to every shard, and each row carrying the list
--- would cost a decode of it a row).
+-- Always returns at least one row, whose `held` lists the held shards.
 WITH held AS (
     SELECT l.shard_id
     FROM shard_leases l
@@ -54,8 +52,7 @@ WITH held AS (
       AND e.shard_id IN (SELECT shard_id FROM held)
     RETURNING d.shard_id, d.next_run_at, d.job_id, d.execution_id, d.scheduled_for, d.attempt
 )
-SELECT CASE WHEN row_number() OVER () = 1
-            THEN (SELECT coalesce(array_agg(shard_id), '{}') FROM held) END AS held,
+SELECT (SELECT coalesce(array_agg(shard_id), '{}') FROM held) AS held,
        c.shard_id, c.next_run_at, c.job_id, c.execution_id, c.scheduled_for, c.attempt,
        j.tenant_id, j.pool, j.payload::text AS payload, j.schedule::text AS schedule,
        j.timeout_s, j.state, j.max_attempts, j.backoff_s,
