@@ -65,13 +65,12 @@ def translated(replica: bool = False) -> object:
         yield
     except _UNAVAILABLE as exc:
         raise StorageUnavailable(f"postgres unavailable: {type(exc).__name__}: {exc}") from exc
-    except asyncpg.CheckViolationError as exc:
+    except _REJECTED as exc:
         # Not the row's fault: it waited on the attach of its day's partition (which
         # moves that day out of the default one), then went where routing had sent it.
-        if "violates partition constraint" in str(exc):
+        if isinstance(exc, asyncpg.CheckViolationError) \
+                and "violates partition constraint" in str(exc):
             raise PartitionAttached(f"postgres: {exc}") from exc
-        raise Rejected(f"postgres refused it: {type(exc).__name__}: {exc}") from exc
-    except _REJECTED as exc:
         raise Rejected(f"postgres refused it: {type(exc).__name__}: {exc}") from exc
     except asyncpg.SerializationError as exc:
         if not replica:
@@ -217,8 +216,12 @@ class Database:
                 yield conn
 
     @contextlib.asynccontextmanager
-    async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
+    async def transaction(self, *, by_key: bool = False) -> AsyncIterator[asyncpg.Connection]:
+        """`by_key`: its statements find a batch's rows by key, one index probe a row,
+        whatever the statistics say (storage/queries/executions.sql plan_by_key)."""
         async with self.connection() as conn, conn.transaction():
+            if by_key:
+                await conn.execute(queries()["plan_by_key"])
             yield conn
 
     async def ping(self) -> None:

@@ -106,8 +106,7 @@ def _applied(row, successors: list[Successor]) -> Applied:
 
 async def _apply_events(db: Database, updates: list[ExecutionUpdate], attempts: list[AttemptRow],
                         now: datetime | None, shard_of: Callable[[uuid.UUID], int]):
-    async with db.transaction() as conn:
-        await conn.execute(q("plan_by_key"))
+    async with db.transaction(by_key=True) as conn:
         return await conn.fetchrow(q("apply_events"),
                                    *_events_args(updates, attempts, now, shard_of, False))
 
@@ -116,8 +115,7 @@ async def _apply_forbid(db: Database, updates: list[ExecutionUpdate], now: datet
                         shard_of: Callable[[uuid.UUID], int],
                         next_after: Callable[[uuid.UUID, str], datetime | None]):
     """Finished forbid-overlap occurrences and their successors, in one transaction."""
-    async with db.transaction() as conn:
-        await conn.execute(q("plan_by_key"))
+    async with db.transaction(by_key=True) as conn:
         row = await conn.fetchrow(q("apply_events"),
                                   *_events_args(updates, [], now, shard_of, True))
         successors = []
@@ -181,8 +179,7 @@ async def record_stale_calls(db: Database, calls: list[StaleCall]) -> list[tuple
 
 async def _record_stale_calls(db: Database, calls: list[StaleCall]) -> list[tuple[str, str]]:
     recorded: list[tuple[str, str]] = []
-    async with db.transaction() as conn:
-        await conn.execute(q("plan_by_key"))
+    async with db.transaction(by_key=True) as conn:
         rows = await conn.fetch(q("lock_stale_calls"), [c.execution_id for c in calls],
                                 [c.scheduled_for for c in calls])
         by_id = {str(r["execution_id"]): r for r in rows}

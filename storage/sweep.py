@@ -52,8 +52,7 @@ def ready(row: Unfinished, attempt: int) -> ReadyExecution:
 
 async def bump(db: Database, rows: list[Unfinished], now: datetime | None) -> dict[uuid.UUID, int]:
     """Attempt + 1 for each row still at its attempt; returns execution_id -> new attempt."""
-    async with db.transaction() as conn:
-        await conn.execute(q("plan_by_key"))
+    async with db.transaction(by_key=True) as conn:
         out = await conn.fetch(q("bump_attempts"), [r.execution_id for r in rows],
                                [r.scheduled_for for r in rows], [r.attempt for r in rows], now)
     return {r["execution_id"]: r["attempt"] for r in out}
@@ -61,8 +60,7 @@ async def bump(db: Database, rows: list[Unfinished], now: datetime | None) -> di
 
 async def fail(db: Database, rows: list[Unfinished], error: str, now: datetime | None) -> int:
     """Dead, with `error` (JSON text): executions the sweeper cannot republish."""
-    async with db.transaction() as conn:
-        await conn.execute(q("plan_by_key"))
+    async with db.transaction(by_key=True) as conn:
         return await conn.fetchval(q("fail_executions"), [r.execution_id for r in rows],
                                    [r.scheduled_for for r in rows], [r.attempt for r in rows],
                                    error, now)

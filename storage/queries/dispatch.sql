@@ -120,9 +120,9 @@ SELECT CASE WHEN (SELECT count(*) FROM new_exec) < cardinality($2::uuid[])
 -- raise its attempt limit). A retry of a paused job is not re-queued: its row goes
 -- back into the due index parked (due_minute 'infinity', beyond every load's range)
 -- for resume to restore (unpark_due_retries); the execution stays in retry_wait. A
--- trigger's first attempt runs whatever the pause. An execution of a canceled job (one a replay
--- or trigger racing the cancel left waiting) is canceled, never run. The job's
--- state is read here, not in claim_due: claim_due's snapshot predates a pause or
+-- trigger's first attempt runs whatever the pause. An execution of a canceled job (one
+-- a replay or trigger racing the cancel left waiting) is canceled, never run. The
+-- job's state is read here, not in claim_due: claim_due's snapshot predates a pause or
 -- cancel it waited for on the due row's lock; this statement's does not.
 WITH retry AS (
     -- each claimed row of an execution still waiting for this attempt, and its fate

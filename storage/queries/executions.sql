@@ -124,11 +124,12 @@ SELECT (SELECT count(*) FROM moved) AS changed,
 -- name: plan_by_key
 -- In the transaction of a statement that finds a batch's executions by key (apply_events,
 -- requeue_retries, replace_previous, fail_claimed, the sweeper's bump_attempts and
--- fail_executions, the stale calls' lock and write), before it: each execution, job and attempt it touches is found by its key, one index probe a
--- row, whatever the statistics say. The planner otherwise prices a thousand probes above
--- one scan of the day's partition (or of what stale statistics call a handful of
--- unfinished rows), which makes a batch cost grow with the day's executions rather than
--- with the batch.
+-- fail_executions, the stale calls' lock and write), before it: each execution, job and
+-- attempt it touches is found by its key, one index probe a row, whatever the
+-- statistics say (Database.transaction(by_key=True) runs it first). The planner
+-- otherwise prices a thousand probes above one scan of the day's partition (or of what
+-- stale statistics call a handful of unfinished rows), which makes a batch cost grow
+-- with the day's executions rather than with the batch.
 SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; SET LOCAL enable_seqscan = off;
 
 -- name: insert_retry_due
