@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -79,3 +80,16 @@ async def schedulers(db, redis_client, key_prefix, clock) -> AsyncIterator[list]
         for node in started:
             if not getattr(node, "crashed", False):
                 await node.stop()
+
+
+async def waiting_on_a_lock(db) -> None:
+    """Until some statement of this database waits on a lock. Postgres signals nothing
+    a test could await, so this polls its view of waits, bounded."""
+    async with asyncio.timeout(10):
+        while True:
+            async with db.connection() as conn:
+                if await conn.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND wait_event_type = 'Lock'"):
+                    return
+            await asyncio.sleep(0.01)

@@ -17,7 +17,7 @@ from herdwick.storage.dispatch import DueKey
 from herdwick.storage.executions import ExecutionUpdate
 from herdwick.storage.sql import q
 from tests.conftest import T0
-from tests.integration.conftest import Api, make_job
+from tests.integration.conftest import Api, make_job, waiting_on_a_lock
 
 SCENARIOS = 12
 
@@ -82,19 +82,6 @@ async def test_racing_dispatchers_create_one_execution_per_occurrence(api: Api, 
     assert all(shard_of(j) in revisions for j in cron_ids)
 
 
-async def _waiting_on_a_lock(db) -> None:
-    """Until some statement of this database waits on a lock. Postgres signals nothing
-    a test could await, so this polls its view of waits, bounded."""
-    async with asyncio.timeout(10):
-        while True:
-            async with db.connection() as conn:
-                if await conn.fetchval(
-                        "SELECT count(*) FROM pg_stat_activity "
-                        "WHERE datname = current_database() AND wait_event_type = 'Lock'"):
-                    return
-            await asyncio.sleep(0.01)
-
-
 async def _retry_rows(db) -> list[tuple[bool, int]]:
     """(parked, attempt) of each due row that retries an execution."""
     async with db.connection() as conn:
@@ -131,7 +118,7 @@ async def test_a_retry_claimed_behind_a_pause_is_parked_not_started(api: Api, db
         await pause.execute(q("delete_due_occurrences"), job_id)
         await pause.fetchrow(q("set_job_state"), tenant_id, job_id, "paused", T0, T0, False)
         racer = asyncio.create_task(dispatch_at(retry_at, retry_at))
-        await _waiting_on_a_lock(db)
+        await waiting_on_a_lock(db)
     assert (await racer).queued == []  # the pause won: the retry did not start
     assert await _retry_rows(db) == [(True, 2)]  # held for the resume, out of every load
 

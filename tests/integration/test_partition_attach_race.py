@@ -22,7 +22,7 @@ from herdwick.errors import PartitionAttached, StorageUnavailable
 from herdwick.ids import shard_of
 from herdwick.storage import dispatch, leases
 from herdwick.storage.dispatch import DueKey
-from tests.integration.conftest import Api
+from tests.integration.conftest import Api, waiting_on_a_lock
 
 DAY = date(2026, 11, 20)  # before the partitions the migration made: the default's
 DUE = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
@@ -35,17 +35,6 @@ async def _attaching(db_url: str) -> tuple[asyncpg.Connection, asyncpg.transacti
     await tx.start()
     assert await conn.fetchval("SELECT herdwick_ensure_execution_partitions($1, 1)", DAY) == 1
     return conn, tx
-
-
-async def _until_waiting(db) -> None:
-    async with asyncio.timeout(10):
-        while True:
-            async with db.connection() as conn:
-                if await conn.fetchval(
-                        "SELECT count(*) FROM pg_stat_activity "
-                        "WHERE datname = current_database() AND wait_event_type = 'Lock'"):
-                    return
-            await asyncio.sleep(0.01)
 
 
 async def _due_job(db, tenant_id: uuid.UUID) -> uuid.UUID:
@@ -74,7 +63,7 @@ async def test_a_dispatch_waiting_on_the_attach_runs_again_and_queues(
         racer = asyncio.create_task(dispatch.dispatch(
             db, "racer", revisions, [DueKey(shard_of(job_id), DUE, job_id)], DUE,
             lambda claimed: plan(claimed, DUE)))
-        await _until_waiting(db)
+        await waiting_on_a_lock(db)
         await tx.commit()
         out = await racer
     finally:
@@ -97,7 +86,7 @@ async def test_outside_a_retried_transaction_it_reads_as_unavailable_not_refused
                     "attempt, state) VALUES ($1, $1, $1, $2, 1, 'queued')", uuid.uuid4(), DUE)
 
         racer = asyncio.create_task(insert())
-        await _until_waiting(db)
+        await waiting_on_a_lock(db)
         await tx.commit()
         with pytest.raises(PartitionAttached) as caught:
             await racer
